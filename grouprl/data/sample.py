@@ -1,0 +1,46 @@
+"""The unit every dataset format is read into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+
+@dataclass
+class Sample:
+    """One prompt with its reference answer, whatever file format it came from.
+
+    ``messages`` is the prompt in Hugging Face chat format. Text is
+    ``{"type": "text", "text": ...}`` and each image slot is ``{"type": "image"}``;
+    the i-th image slot is filled by ``images[i]`` (so the number of image slots
+    always equals ``len(images)``). A text-only prompt has no image slots.
+    ``answer`` is the reference response: the SFT target and what rewards compare
+    against. ``columns`` holds the record's other fields; reward functions receive
+    them as keyword columns, TRL style. ``source`` and ``index`` say where the
+    record came from, for error messages and logs.
+    """
+
+    messages: list[dict[str, Any]]
+    images: list[Image.Image] = field(default_factory=list)
+    answer: str | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+    source: str = "<memory>"
+    index: int = 0
+
+    @property
+    def id(self) -> str:
+        return str(self.columns.get("id", f"{self.source}#{self.index}"))
+
+    def prompt_text(self) -> str:
+        """The prompt's text with images shown as ``<image>``; for logs and reward functions."""
+        parts = []
+        for message in self.messages:
+            content = message["content"]
+            if isinstance(content, str):
+                parts.append(content)
+                continue
+            for item in content:
+                parts.append("<image>" if item["type"] == "image" else item["text"])
+        return "".join(parts)
