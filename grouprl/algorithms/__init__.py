@@ -1,0 +1,53 @@
+"""Pure tensor functions of GRPO-family training: advantages, policy losses, loss aggregation, KL, filtering.
+
+Each family has a registry (name -> function) and a dispatcher that selects by name:
+
+- ``ADVANTAGE_ESTIMATORS`` / ``compute_advantages``: grpo, rloo, reinforce_plus_plus,
+  reinforce_plus_plus_baseline, remax, grpo_passk;
+- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo;
+- ``LOSS_AGG_MODES`` / ``aggregate_loss``: token-mean, seq-mean-token-sum,
+  seq-mean-token-mean, seq-mean-token-sum-norm;
+- ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
+
+Plug in a new one with ``register_advantage_estimator``, ``register_policy_loss``,
+``register_loss_agg_mode`` or ``register_kl_estimator``.
+"""
+
+from grouprl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    group_statistics,
+    masked_whiten,
+    register_advantage_estimator,
+)
+from grouprl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, register_loss_agg_mode
+from grouprl.algorithms.filtering import filter_groups, mask_truncated, overlong_penalty, reward_std_per_group
+from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from grouprl.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossTerms,
+    compute_policy_loss,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "PolicyLossTerms",
+    "aggregate_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "filter_groups",
+    "group_statistics",
+    "kl_penalty",
+    "mask_truncated",
+    "masked_whiten",
+    "overlong_penalty",
+    "register_advantage_estimator",
+    "register_kl_estimator",
+    "register_loss_agg_mode",
+    "register_policy_loss",
+    "reward_std_per_group",
+]

@@ -1,0 +1,61 @@
+"""Choosing which responses train: group filtering (DAPO dynamic sampling), overlong shaping, truncation masks."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grouprl.algorithms.advantages import group_statistics
+
+
+def reward_std_per_group(scores: Tensor, group_index: Tensor) -> Tensor:
+    """std_g of each row's group, shape [B]: unbiased, and 0 for a group of size 1.
+
+    ``(reward_std_per_group(...) == 0).float().mean()`` is the ``frac_reward_zero_std``
+    health metric: the share of responses whose group gives GRPO no learning signal.
+    """
+    scores = scores if scores.is_floating_point() else scores.to(torch.get_default_dtype())
+    return group_statistics(scores, group_index)[1]
+
+
+def filter_groups(scores: Tensor, group_index: Tensor, *, min_std: float = 0.0) -> Tensor:
+    """Rows to keep, BoolTensor [B]: keep_i = std_g(i) > ``min_std``.
+
+    ``min_std=0`` drops groups whose rewards are all equal (DAPO dynamic sampling: their
+    group-relative advantages are all 0); CheXPO-v2 uses 0.06. A group of size 1 has
+    std 0 and is always dropped.
+    """
+    return reward_std_per_group(scores, group_index) > min_std
+
+
+def overlong_penalty(
+    response_lengths: Tensor, *, max_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> Tensor:
+    """DAPO soft overlong punishment, shape [B], added to the reward.
+
+    with L_max = ``max_length``, L_buf = ``buffer_length``, f = ``penalty_factor``:
+      0                              if L <= L_max - L_buf
+      (L_max - L_buf - L) / L_buf * f  if L_max - L_buf < L <= L_max
+      -f                             if L > L_max
+    """
+    if not 0 < buffer_length <= max_length:
+        raise ValueError(
+            f"need 0 < buffer_length <= max_length; got buffer_length={buffer_length}, max_length={max_length}"
+        )
+    lengths = response_lengths.to(torch.get_default_dtype())
+    start = max_length - buffer_length
+    # The linear ramp reaches -1 at L_max, so clamping at -1 covers the L > L_max case.
+    ramp = ((start - lengths) / buffer_length).clamp(min=-1.0, max=0.0)
+    return ramp * penalty_factor
+
+
+def mask_truncated(loss_mask: Tensor, truncated: Tensor) -> Tensor:
+    """Loss mask with the rows of truncated responses zeroed: M'_{i,t} = M_{i,t} * (1 - truncated_i).
+
+    A truncated response (no EOS) was cut, not finished, so its reward judges text the
+    policy did not complete; TRL's ``mask_truncated_completions``.
+    """
+    if truncated.shape != loss_mask.shape[:1]:
+        raise ValueError(f"truncated must have shape [{loss_mask.shape[0]}]; got {tuple(truncated.shape)}")
+    keep = (~truncated.bool()).unsqueeze(-1)
+    return loss_mask * keep.to(loss_mask.dtype) if loss_mask.dtype != torch.bool else loss_mask & keep

@@ -1,0 +1,66 @@
+"""Per-token estimators of KL(pi_theta || pi_ref) from sampled tokens' log-probabilities.
+
+delta = log pi_theta(y_t) - log pi_ref(y_t), with y_t sampled from the policy. Used either
+as a loss term (mean over tokens, times kl_coef) or folded into the reward as
+token_rewards = -beta * kl_penalty(...).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+
+
+def register_kl_estimator(*names: str, overwrite: bool = False) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator adding ``fn(log_prob, ref_log_prob) -> Tensor`` to ``KL_ESTIMATORS`` under each name (aliases)."""
+
+    def decorator(fn: KLEstimator) -> KLEstimator:
+        for name in names:
+            if name in KL_ESTIMATORS and not overwrite:
+                raise ValueError(f"KL estimator {name!r} is already registered (pass overwrite=True to replace it)")
+            KL_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_kl_estimator("k1", "kl")
+def kl_k1(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k1 = delta. Unbiased, high variance, can be negative per token."""
+    return log_prob - ref_log_prob
+
+
+@register_kl_estimator("abs")
+def kl_abs(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """|delta|."""
+    return (log_prob - ref_log_prob).abs()
+
+
+@register_kl_estimator("k2", "mse")
+def kl_k2(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k2 = 0.5 delta^2. Biased, lower variance than k1, never negative."""
+    return 0.5 * (log_prob - ref_log_prob) ** 2
+
+
+@register_kl_estimator("k3", "low_var_kl")
+def kl_k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k3 = exp(-delta) + delta - 1 >= 0, with -delta clamped to [-20, 20] and the result to [-10, 10].
+
+    Unbiased and low variance; the clamps keep one token with a huge log-ratio from
+    producing inf (exp overflow) or dominating the loss.
+    """
+    neg_delta = (ref_log_prob - log_prob).clamp(-20.0, 20.0)
+    return (torch.exp(neg_delta) - neg_delta - 1).clamp(-10.0, 10.0)
+
+
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate ``KL_ESTIMATORS[kind](log_prob, ref_log_prob)``, same shape as the inputs."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(sorted(KL_ESTIMATORS))}")
+    return KL_ESTIMATORS[kind](log_prob, ref_log_prob)

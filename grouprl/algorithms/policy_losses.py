@@ -1,0 +1,281 @@
+"""Policy-gradient losses of the GRPO family, per token, then aggregated to a scalar.
+
+Notation (all [B, R]): log_prob = log pi_theta(y_t), old_log_prob = log pi_old(y_t) (the
+policy that sampled), A = advantages, m = response mask, sg = stop-gradient,
+d = clamp(log_prob - old_log_prob, -20, 20) (the clamp keeps exp finite), r = exp(d).
+
+Every loss is a pure function registered by name in ``POLICY_LOSSES``:
+``fn(log_prob, old_log_prob, advantages, response_mask, *, <options>) -> PolicyLossTerms``.
+It receives those of ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_dual`` that it
+declares, plus its own options; ``compute_policy_loss`` aggregates the per-token loss and
+computes the metrics.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from grouprl.algorithms.aggregation import aggregate_loss
+
+LOG_RATIO_CLAMP = 20.0
+AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_len")
+CLIP_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_dual")
+
+
+@dataclass
+class PolicyLossTerms:
+    """What a policy loss produces, per token ([B, R]); masking is left to the caller.
+
+    ``ratio`` is the importance ratio the loss used (token or sequence level), for metrics.
+    The ``clipped_*`` masks mark tokens where a clip bound is active; ``dual_clipped`` is
+    None for losses without a dual clip.
+    """
+
+    loss: Tensor
+    ratio: Tensor
+    clipped_low: Tensor
+    clipped_high: Tensor
+    dual_clipped: Tensor | None = None
+
+
+PolicyLoss = Callable[..., PolicyLossTerms]
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator adding ``fn(log_prob, old_log_prob, advantages, response_mask, *, ...) -> PolicyLossTerms``."""
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES and not overwrite:
+            raise ValueError(f"policy loss {name!r} is already registered (pass overwrite=True to replace it)")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def clamped_log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
+    """d = clamp(log_prob - old_log_prob, -20, 20)."""
+    return (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_ratio_low: float, clip_ratio_high: float):
+    """PPO clip: l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), with where each bound binds.
+
+    The upper bound binds (and the gradient vanishes) when A > 0 and r > 1 + eps_high;
+    the lower one when A < 0 and r < 1 - eps_low.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipped_high = (advantages > 0) & (ratio > 1 + clip_ratio_high)
+    clipped_low = (advantages < 0) & (ratio < 1 - clip_ratio_low)
+    return loss, clipped_low, clipped_high
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_dual: float | None = None,
+) -> PolicyLossTerms:
+    """PPO clip with asymmetric range (DAPO clip-higher) and optional dual clip.
+
+    l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high));
+    with c = ``clip_ratio_dual`` (> 1): for A < 0, l = min(l, -A c), which bounds the loss of
+    a negative-advantage token whose ratio has grown past c (its gradient is then 0).
+    """
+    ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob))
+    loss, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    dual_clipped = None
+    if clip_ratio_dual is not None:
+        if clip_ratio_dual <= 1.0:
+            raise ValueError(f"clip_ratio_dual must be > 1; got {clip_ratio_dual}")
+        negative = advantages < 0
+        loss = torch.where(negative, torch.minimum(loss, -advantages * clip_ratio_dual), loss)
+        # For A < 0 the clipped loss is -A max(r, 1 - eps_low), which exceeds -A c exactly when r > c.
+        dual_clipped = negative & (ratio > clip_ratio_dual)
+    return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high, dual_clipped)
+
+
+def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> Tensor:
+    """log s_i = sum_t m_t d_t / sum_t m_t, shape [B] (0 for a row with no valid token)."""
+    mask = response_mask.to(log_prob.dtype)
+    # Masking d (not log_prob) keeps padding positions, whose log-probs are arbitrary, out of the sum.
+    return (clamped_log_ratio(log_prob, old_log_prob) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> PolicyLossTerms:
+    """GSPO, sequence form: one importance ratio per response, clipped as a whole.
+
+    s_i = exp(sum_t m_t d_t / sum_t m_t)   (geometric mean of the token ratios)
+    l_{i,t} = max(-A_{i,t} s_i, -A_{i,t} clip(s_i, 1 - eps_low, 1 + eps_high))
+    s_i is broadcast over response i's tokens ([B] -> [B, 1] -> [B, R]), so the gradient of
+    every token's loss reaches all tokens of the response. GSPO's clip range is tiny
+    (3e-4 / 4e-4 in the paper). Aggregation is not forced: ``seq-mean-token-mean`` is the
+    recommended ``loss_agg_mode``, the mean of per-sequence terms the objective is defined as.
+    """
+    seq_log = sequence_log_ratio(log_prob, old_log_prob, response_mask)
+    ratio = torch.exp(seq_log).unsqueeze(-1).expand_as(log_prob)
+    loss, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high)
+
+
+@register_policy_loss("gspo_token")
+def gspo_token_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> PolicyLossTerms:
+    """GSPO-token: log s_{i,t} = sg(log s_i) + log_prob_t - sg(log_prob_t).
+
+    s_{i,t} equals s_i in value but its gradient is s_i * grad log_prob_t, so per-token
+    advantages weigh their own token. l_{i,t} = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high)).
+    With A constant over a response it has the same value and gradient as ``gspo``.
+    """
+    seq_log = sequence_log_ratio(log_prob, old_log_prob, response_mask).detach()
+    ratio = torch.exp(seq_log.unsqueeze(-1) + log_prob - log_prob.detach())
+    loss, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> PolicyLossTerms:
+    """CISPO: l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log_prob.
+
+    The importance weight is clipped and detached instead of the update, so every token
+    keeps a gradient (REINFORCE with a capped weight). ``clipped_*`` mark tokens whose
+    weight hit a bound, whatever the sign of A.
+    """
+    ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob)).detach()
+    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss = -weight * advantages * log_prob
+    return PolicyLossTerms(loss, ratio, ratio < 1 - clip_ratio_low, ratio > 1 + clip_ratio_high)
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+) -> PolicyLossTerms:
+    """SAPO: l = -A (4 / tau) sigmoid(tau (r - 1)), tau = ``sapo_tau_pos`` if A > 0 else ``sapo_tau_neg``.
+
+    A smooth gate instead of a hard clip: the gradient is -A * 4 sigmoid'(tau (r - 1)) * r * grad log_prob,
+    equal to PPO's at r = 1 and decaying as r leaves 1 (faster for negative advantages).
+    No clip bound, so the clip masks are all False.
+    """
+    ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob))
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(sapo_tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(sapo_tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    loss = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1))
+    never = torch.zeros_like(ratio, dtype=torch.bool)
+    return PolicyLossTerms(loss, ratio.detach(), never, never)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    mask = mask.to(torch.float64)
+    return float((values.detach().to(torch.float64) * mask).sum() / mask.sum().clamp(min=1))
+
+
+def compute_policy_loss(
+    name: str,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_dual: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar policy loss and metrics: aggregate_loss(POLICY_LOSSES[name](...).loss, m, loss_agg_mode).
+
+    ``options`` holds the aggregation options ``num_tokens`` / ``num_seqs`` / ``norm_len`` (pass
+    the mini-batch totals when accumulating gradients over micro-batches, see
+    ``aggregation``) and the loss's own options (e.g. ``sapo_tau_pos``); an option neither
+    takes raises TypeError. The clip ratios are passed only to losses that declare them
+    (``clip_ratio_dual`` is used by ``vanilla`` alone; ``sapo`` has no clip).
+
+    Metrics (python floats, means over valid tokens of this call's batch):
+    ``clipfrac`` fraction of tokens where any clip bound is active (for PPO-style losses,
+    the tokens whose gradient clipping zeroes), ``clipfrac_low``, ``clipfrac_high``,
+    ``dual_clipfrac`` (vanilla with ``clip_ratio_dual``; 0 otherwise), ``ppo_kl`` mean of -d, ``ratio_mean`` mean of the
+    ratio the loss used (sequence ratio for GSPO).
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {', '.join(sorted(POLICY_LOSSES))}")
+    shapes = {t.shape for t in (log_prob, old_log_prob, advantages, response_mask)}
+    if len(shapes) != 1 or log_prob.dim() != 2:
+        raise ValueError(
+            "log_prob, old_log_prob, advantages and response_mask must share one [B, R] shape; got "
+            + ", ".join(str(tuple(t.shape)) for t in (log_prob, old_log_prob, advantages, response_mask))
+        )
+    fn = POLICY_LOSSES[name]
+    declared = inspect.signature(fn).parameters
+    agg_options = {k: options.pop(k) for k in AGGREGATION_OPTIONS if k in options}
+    own = sorted(
+        p for p, spec in declared.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY and p not in CLIP_OPTIONS
+    )
+    unknown = sorted(k for k in options if k not in own)
+    if unknown:
+        valid = ", ".join(own + list(AGGREGATION_OPTIONS))
+        raise TypeError(f"policy loss {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {valid}")
+    clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_dual": clip_ratio_dual}
+    kwargs = {k: v for k, v in clip.items() if k in declared}
+    terms = fn(log_prob, old_log_prob, advantages, response_mask, **kwargs, **options)
+
+    loss = aggregate_loss(terms.loss, response_mask, loss_agg_mode, **agg_options)
+
+    # Same keys for every loss so that logged series stay aligned when the loss changes.
+    dual = terms.dual_clipped if terms.dual_clipped is not None else torch.zeros_like(terms.clipped_low)
+    metrics = {
+        "clipfrac": _masked_mean((terms.clipped_low | terms.clipped_high | dual).float(), response_mask),
+        "clipfrac_low": _masked_mean(terms.clipped_low.float(), response_mask),
+        "clipfrac_high": _masked_mean(terms.clipped_high.float(), response_mask),
+        "dual_clipfrac": _masked_mean(dual.float(), response_mask),
+        "ppo_kl": _masked_mean(-clamped_log_ratio(log_prob, old_log_prob), response_mask),
+        "ratio_mean": _masked_mean(terms.ratio, response_mask),
+    }
+    return loss, metrics

@@ -1,0 +1,274 @@
+"""The seeds' record formats and how one record becomes the parts of a Sample.
+
+Three formats are read as they are found in the seeds' data:
+
+- ``easyr1``: ``{"problem": str, "answer": str, "images": [...]}``; the key
+  names are configurable (``prompt_key``, ``answer_key``, ``image_key``).
+- ``llava``: ``{"image": path | [paths], "conversations": [{"from": "human" |
+  "gpt" | "system", "value": str}, ...]}``.
+- ``swift`` (ms-swift): ``{"messages": [{"role", "content"}], "images": [...],
+  "solution": str}``.
+
+For conversations, a final ``gpt`` / ``assistant`` turn is the reference answer
+and the turns before it are the prompt (earlier assistant turns stay in the
+prompt as history). Without a final assistant turn the whole conversation is the
+prompt; ms-swift records then take the answer from ``solution``.
+
+Functions here only look at the record; opening image files is left to the
+loader, which knows where the record came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("easyr1", "llava", "swift")
+IMAGE_PLACEHOLDER = "<image>"
+
+_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_SWIFT_ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read; the message names the file, the record and the field."""
+
+
+class RecordError(Exception):
+    """A problem with one field of one record; the loader adds the file and record index."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """Field names of EasyR1 records (its ``data.prompt_key`` / ``answer_key`` / ``image_key``)."""
+
+    prompt: str = "problem"
+    answer: str = "answer"
+    images: str = "images"
+
+
+@dataclass
+class ParsedRecord:
+    """A record taken apart: the prompt messages, image values still unopened, the answer, other fields.
+
+    ``images`` pairs each raw image value with the field it came from
+    (``"images[1]"``) so that a missing file can be reported by field.
+    """
+
+    messages: list[dict[str, Any]]
+    images: list[tuple[str, Any]] = field(default_factory=list)
+    answer: str | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+def format_signatures(keys: RecordKeys) -> dict[str, tuple[str, ...]]:
+    """Each format's fields, the first one being what identifies it."""
+    return {
+        "easyr1": (keys.prompt, keys.answer, keys.images),
+        "llava": ("conversations", "image"),
+        "swift": ("messages", "images", "solution"),
+    }
+
+
+def detect_format(record: dict[str, Any], keys: RecordKeys, source: str) -> str:
+    """The format whose identifying field the record has; an error if none or several do."""
+    signatures = format_signatures(keys)
+    matches = [name for name, fields in signatures.items() if record.get(fields[0]) is not None]
+    if len(matches) == 1:
+        return matches[0]
+    expected = "; ".join(
+        f"{name}: {', '.join(repr(f) for f in fields)} ({fields[0]!r} required)" for name, fields in signatures.items()
+    )
+    if matches:
+        problem = f"the first record fits several formats ({', '.join(matches)})"
+    else:
+        problem = "cannot detect the record format from the first record"
+    raise DataError(
+        f"{source}: {problem}; keys found: {sorted(record)}; formats expect: {expected}. "
+        f"Set the data format option to one of {', '.join(FORMATS)}."
+    )
+
+
+def parse_record(
+    record: dict[str, Any],
+    fmt: str,
+    *,
+    keys: RecordKeys = RecordKeys(),
+    system_prompt: str | None = None,
+    require_answer: bool = True,
+) -> ParsedRecord:
+    """Take one record of format ``fmt`` apart; raises RecordError naming the bad field."""
+    if fmt == "easyr1":
+        parsed = _parse_easyr1(record, keys, require_answer)
+        prompt_field, image_field = keys.prompt, keys.images
+    elif fmt == "llava":
+        parsed = _parse_llava(record, require_answer)
+        prompt_field, image_field = "conversations", "image"
+    elif fmt == "swift":
+        parsed = _parse_swift(record, require_answer)
+        prompt_field, image_field = "messages", "images"
+    else:
+        raise DataError(f"unknown record format {fmt!r}; valid formats: auto, {', '.join(FORMATS)}")
+    _reconcile_image_slots(parsed, prompt_field, image_field)
+    if system_prompt is not None and not any(m["role"] == "system" for m in parsed.messages):
+        # A system turn written in the record is more specific than the run's default.
+        parsed.messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    # TRL-style reward functions read the reference as the ``answer`` column.
+    parsed.columns["answer"] = parsed.answer
+    return parsed
+
+
+def split_placeholders(text: str) -> list[dict[str, Any]]:
+    """Chat content items for ``text``: text pieces with an image slot at each ``<image>``."""
+    items: list[dict[str, Any]] = []
+    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i > 0:
+            items.append({"type": "image"})
+        if piece:
+            items.append({"type": "text", "text": piece})
+    return items
+
+
+def _parse_easyr1(record: dict[str, Any], keys: RecordKeys, require_answer: bool) -> ParsedRecord:
+    prompt = _string_field(record, keys.prompt)
+    answer = _answer_field(record, keys.answer, require_answer)
+    images = _image_list(record, keys.images)
+    messages = [{"role": "user", "content": split_placeholders(prompt)}]
+    columns = _other_fields(record, (keys.prompt, keys.images))
+    return ParsedRecord(messages, images, answer, columns)
+
+
+def _parse_llava(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
+    turns = _list_field(record, "conversations")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise RecordError(where, f"expected an object with 'from' and 'value', got {type(turn).__name__}")
+        speaker = turn.get("from")
+        if not isinstance(speaker, str) or speaker not in _LLAVA_ROLES:
+            raise RecordError(f"{where}.from", f"expected one of {sorted(_LLAVA_ROLES)}, got {speaker!r}")
+        messages.append({"role": _LLAVA_ROLES[speaker], "text": _string_field(turn, "value", where)})
+    images = _image_value_or_list(record, "image")
+    answer = _split_final_answer(messages, "conversations", "no final 'gpt' turn to use as the answer", require_answer)
+    columns = _other_fields(record, ("conversations", "image"))
+    return ParsedRecord(_to_chat(messages, "conversations"), images, answer, columns)
+
+
+def _parse_swift(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
+    raw = _list_field(record, "messages")
+    messages = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RecordError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _SWIFT_ROLES:
+            raise RecordError(f"{where}.role", f"expected one of {list(_SWIFT_ROLES)}, got {role!r}")
+        messages.append({"role": role, "text": _string_field(message, "content", where)})
+    images = _image_list(record, "images")
+    # The solution is only needed when there is no final assistant message.
+    has_final = bool(messages) and messages[-1]["role"] == "assistant"
+    solution = None if has_final else _answer_field(record, "solution", required=False)
+    answer = _split_final_answer(messages, "messages", None, required=False)
+    if answer is None:
+        answer = solution
+        if answer is None and require_answer:
+            raise RecordError("messages", "no final assistant message and no 'solution' field to use as the answer")
+    columns = _other_fields(record, ("messages", "images"))
+    return ParsedRecord(_to_chat(messages, "messages"), images, answer, columns)
+
+
+def _split_final_answer(
+    messages: list[dict[str, str]], field_name: str, missing: str | None, required: bool
+) -> str | None:
+    """Pop a final assistant turn off ``messages`` and return its text."""
+    if messages and messages[-1]["role"] == "assistant":
+        return messages.pop()["text"]
+    if required:
+        raise RecordError(field_name, missing or "no final assistant turn to use as the answer")
+    return None
+
+
+def _to_chat(messages: list[dict[str, str]], field_name: str) -> list[dict[str, Any]]:
+    if not any(m["role"] == "user" for m in messages):
+        raise RecordError(field_name, "the prompt has no user turn")
+    return [{"role": m["role"], "content": split_placeholders(m["text"])} for m in messages]
+
+
+def _reconcile_image_slots(parsed: ParsedRecord, prompt_field: str, image_field: str) -> None:
+    """Make the number of image slots in the prompt equal the number of images.
+
+    Prompts without ``<image>`` get one slot per image at the start of the first
+    user turn (where EasyR1 and LLaVA put them); any other mismatch means the
+    record does not say which image goes where, so it is an error.
+    """
+    slots = sum(item["type"] == "image" for m in parsed.messages for item in m["content"])
+    n_images = len(parsed.images)
+    if slots == 0 and n_images:
+        first_user = next(m for m in parsed.messages if m["role"] == "user")
+        first_user["content"][:0] = [{"type": "image"} for _ in range(n_images)]
+    elif slots != n_images:
+        raise RecordError(
+            prompt_field,
+            f"{slots} {IMAGE_PLACEHOLDER} placeholder{'s' if slots != 1 else ''} but {n_images} "
+            f"image{'s' if n_images != 1 else ''} in {image_field!r}",
+        )
+    if not any(m["content"] for m in parsed.messages if m["role"] == "user"):
+        raise RecordError(prompt_field, "the prompt is empty (no text and no images)")
+
+
+def _string_field(record: dict[str, Any], key: str, parent: str | None = None) -> str:
+    where = f"{parent}.{key}" if parent else key
+    value = record.get(key)
+    if value is None:
+        raise RecordError(where, f"missing (keys present: {sorted(record)})")
+    if not isinstance(value, str):
+        raise RecordError(where, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _answer_field(record: dict[str, Any], key: str, required: bool) -> str | None:
+    if record.get(key) is None and not required:
+        return None
+    return _string_field(record, key)
+
+
+def _list_field(record: dict[str, Any], key: str) -> list[Any]:
+    value = record.get(key)
+    if value is None:
+        raise RecordError(key, f"missing (keys present: {sorted(record)})")
+    if not isinstance(value, list):
+        raise RecordError(key, f"expected a list, got {type(value).__name__}")
+    if not value:
+        raise RecordError(key, "is empty")
+    return value
+
+
+def _image_list(record: dict[str, Any], key: str) -> list[tuple[str, Any]]:
+    """``images`` must be a list; absent or null means a text-only record."""
+    value = record.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RecordError(key, f"expected a list of images, got {type(value).__name__}")
+    return [(f"{key}[{i}]", item) for i, item in enumerate(value)]
+
+
+def _image_value_or_list(record: dict[str, Any], key: str) -> list[tuple[str, Any]]:
+    """LLaVA's ``image`` is one path or a list of them."""
+    value = record.get(key)
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [(f"{key}[{i}]", item) for i, item in enumerate(value)]
+    return [(key, value)]
+
+
+def _other_fields(record: dict[str, Any], consumed: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in consumed}

@@ -1,0 +1,277 @@
+"""Built-in rule-based rewards: response format, answer accuracy, response length.
+
+Registered as ``format``, ``accuracy`` and ``length``; their options go in a
+RewardSpec's ``kwargs`` (e.g. ``{"name": "format", "kwargs": {"style": "boxed"}}``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import re
+import threading
+from typing import Any, Sequence
+
+from grouprl.rewards.registry import register_reward
+
+logger = logging.getLogger(__name__)
+
+FORMAT_STYLES = ("think_answer", "boxed", "think_boxed")
+
+_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
+_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+_THINK_THEN_REST = re.compile(r"\s*<think>.*?</think>(.*)", re.DOTALL)
+_WHITESPACE = re.compile(r"\s+")
+
+
+# ---------------------------------------------------------------- answer extraction
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of the complete top-level ``\\boxed{...}`` groups of ``text``, in order.
+
+    Braces are counted so that nested groups (``\\boxed{\\frac{1}{2}}``) are kept whole;
+    a backslash escapes the next character, as in TeX, so ``\\{`` and ``\\}`` (set
+    braces) do not count. A group left open (a truncated response) is skipped.
+    """
+    found: list[str] = []
+    pos = 0
+    while True:
+        m = _BOXED_OPEN.search(text, pos)
+        if m is None:
+            return found
+        start = m.end()
+        depth, i = 1, start
+        while i < len(text) and depth:
+            ch = text[i]
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+            i += 1
+        if depth == 0:
+            found.append(text[start : i - 1])
+            pos = i  # groups nested in this one are part of it, not separate answers
+        else:
+            pos = m.start() + 1
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last complete ``\\boxed{...}`` in ``text`` (stripped), or None if there is none."""
+    contents = _boxed_contents(text)
+    return contents[-1].strip() if contents else None
+
+
+def extract_answer(text: str) -> str:
+    """The answer a response (or a reference) states.
+
+    The last ``\\boxed{...}``, else the last ``<answer>...</answer>`` span, else the whole
+    text; stripped.
+    """
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    spans = _ANSWER_SPAN.findall(text)
+    if spans:
+        return spans[-1].strip()
+    return text.strip()
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form for exact comparison.
+
+    Strips whitespace, trailing periods and surrounding ``$`` (repeatedly, so ``"$5$."``
+    and ``"$$5$$"`` both give ``"5"``), then casefolds and collapses inner whitespace.
+    """
+    s = text
+    while True:
+        before = s
+        s = s.strip()
+        if s.endswith("."):
+            s = s[:-1]
+        if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
+            s = s[1:-1]
+        if s == before:
+            break
+    return _WHITESPACE.sub(" ", s.casefold())
+
+
+# ---------------------------------------------------------------- mathematical equivalence
+
+
+@functools.lru_cache(maxsize=None)
+def _math_verify() -> Any:
+    """The math_verify module, or None when it is not installed (the `math` extra)."""
+    try:
+        import math_verify
+    except ImportError:
+        logger.info(
+            "math-verify is not installed: 'accuracy' compares answers as normalised text only "
+            "(pip install 'grouprl[math]' for mathematical equivalence)"
+        )
+        return None
+    except Exception as exc:  # a broken install must not take the reward down; say why it is off
+        logger.warning(
+            "math-verify failed to import (%s: %s); 'accuracy' uses text match only", type(exc).__name__, exc
+        )
+        return None
+    return math_verify
+
+
+@functools.lru_cache(maxsize=None)
+def _timeout_kwargs(threaded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword arguments turning off math-verify's timeouts off the main thread.
+
+    Its timeouts use signal.alarm, which only works in the main thread: elsewhere parse
+    raises, which would make every comparison "not equal". Versions without the
+    parameters get none.
+    """
+    mv = _math_verify()
+    if not threaded:
+        return {}, {}
+    parse_params = inspect.signature(mv.parse).parameters
+    verify_params = inspect.signature(mv.verify).parameters
+    return (
+        {"parsing_timeout": None} if "parsing_timeout" in parse_params else {},
+        {"timeout_seconds": None} if "timeout_seconds" in verify_params else {},
+    )
+
+
+def _as_latex(answer: str) -> str:
+    # math-verify extracts from LaTeX inside math delimiters; a bare "x+1" or "\sqrt{4}"
+    # is otherwise not found at all.
+    s = answer.strip()
+    while len(s) >= 2 and s.startswith("$") and s.endswith("$"):
+        s = s[1:-1].strip()
+    return s if "$" in s else f"${s}$"
+
+
+def math_equal(gold: str, pred: str) -> bool:
+    """True when math-verify is installed and finds ``pred`` mathematically equal to ``gold``.
+
+    Any exception inside math-verify counts as "not equal": a malformed answer is a
+    wrong answer, not a crashed run.
+    """
+    mv = _math_verify()
+    if mv is None:
+        return False
+    parse_kwargs, verify_kwargs = _timeout_kwargs(threading.current_thread() is not threading.main_thread())
+    try:
+        gold_parsed = mv.parse(_as_latex(gold), **parse_kwargs)
+        pred_parsed = mv.parse(_as_latex(pred), **parse_kwargs)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(mv.verify(gold_parsed, pred_parsed, **verify_kwargs))
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- rewards
+
+
+@register_reward("format")
+def format_reward(
+    prompts: Sequence[str], completions: Sequence[str], *, style: str = "think_answer", **kwargs: Any
+) -> list[float]:
+    """1.0 when the completion has the required layout, else 0.0.
+
+    ``style``:
+      - ``think_answer`` (default): ``<think>...</think>`` then ``<answer>...</answer>``,
+        whitespace allowed around them, nothing else outside, one of each tag, and a
+        non-blank answer;
+      - ``boxed``: a complete (balanced-brace), non-empty ``\\boxed{...}`` anywhere;
+      - ``think_boxed``: starts with one ``<think>...</think>`` and has a complete,
+        non-empty ``\\boxed{...}`` after it.
+    """
+    if style not in FORMAT_STYLES:
+        raise ValueError(f"unknown format style {style!r}; choose one of {', '.join(FORMAT_STYLES)}")
+    check = {"think_answer": _is_think_answer, "boxed": _has_boxed, "think_boxed": _is_think_boxed}[style]
+    return [1.0 if check(c) else 0.0 for c in completions]
+
+
+def _one_each(text: str, *tags: str) -> bool:
+    # A lazy regex alone would accept "<answer>a</answer> junk <answer>b</answer>" as one span.
+    return all(text.count(f"<{t}>") == 1 and text.count(f"</{t}>") == 1 for t in tags)
+
+
+def _is_think_answer(text: str) -> bool:
+    m = _THINK_ANSWER.fullmatch(text)
+    return bool(m) and _one_each(text, "think", "answer") and bool(m.group(1).strip())
+
+
+def _has_boxed(text: str) -> bool:
+    return any(c.strip() for c in _boxed_contents(text))
+
+
+def _is_think_boxed(text: str) -> bool:
+    m = _THINK_THEN_REST.fullmatch(text)
+    return bool(m) and _one_each(text, "think") and _has_boxed(m.group(1))
+
+
+@register_reward("accuracy")
+def accuracy_reward(
+    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any] | None = None, **kwargs: Any
+) -> list[float | None]:
+    """1.0 when the completion's answer equals the reference in the ``answer`` column, else 0.0.
+
+    Both sides go through :func:`extract_answer`; they are equal when their
+    :func:`normalize_answer` forms match or, with math-verify installed, when it finds
+    them mathematically equivalent (``\\frac{1}{2}`` and ``0.5``). A row whose reference
+    is None gets None (not applicable). A reference that is a list accepts any of its items.
+    """
+    if answer is None:
+        raise ValueError(
+            f"needs an 'answer' column (the reference answer per row); the batch has columns: "
+            f"{', '.join(sorted(kwargs)) or '(none)'}"
+        )
+    return [None if gold is None else _score_one(gold, completion) for gold, completion in zip(answer, completions)]
+
+
+def _score_one(gold: Any, completion: str) -> float:
+    golds = gold if isinstance(gold, (list, tuple)) else [gold]
+    pred = extract_answer(completion)
+    for g in golds:
+        if g is None:
+            continue
+        gold_answer = extract_answer(g if isinstance(g, str) else str(g))
+        if normalize_answer(gold_answer) == normalize_answer(pred) or math_equal(gold_answer, pred):
+            return 1.0
+    return 0.0
+
+
+@register_reward("length")
+def length_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    target: int | None = None,
+    max_length: int | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """A penalty in [-1, 0] on the completion's length in whitespace-separated words ``n``.
+
+    Give exactly one option:
+      - ``target``: ``-|n - target| / target``, clipped to [-1, 0] (0 at the target);
+      - ``max_length``: 0 while ``n <= max_length``, then ``-(n - max_length) / max_length``,
+        clipped at -1 (so -1 from twice the limit on).
+    Words, not tokens, so that the reward does not depend on the tokenizer.
+    """
+    if (target is None) == (max_length is None):
+        raise ValueError("give exactly one of the options 'target' or 'max_length'")
+    name, limit = ("target", target) if target is not None else ("max_length", max_length)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"option {name!r} must be a positive integer (words), got {limit!r}")
+    out = []
+    for completion in completions:
+        n = len(completion.split())
+        if target is not None:
+            penalty = abs(n - limit) / limit
+        else:
+            penalty = max(0, n - limit) / limit
+        out.append(0.0 - min(1.0, penalty))  # 0.0 - x: no "-0.0" in logs at the target
+    return out

@@ -1,0 +1,160 @@
+"""Advantage estimators against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from grouprl.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages, register_advantage_estimator
+
+# Three groups with arbitrary, interleaved ids: 7 -> rows 0, 1, 3 (scores 1, 0, 1);
+# 3 -> rows 2, 4 (scores 0, 2); 42 -> row 5 alone (score 5).
+SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 5.0], dtype=torch.float64)
+GROUPS = torch.tensor([7, 7, 3, 7, 3, 42])
+# Group 7: mean 2/3, unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3, std 1/sqrt(3).
+# Group 3: mean 1, unbiased var (1 + 1) / 1 = 2, std sqrt(2).
+SQRT3 = math.sqrt(3.0)
+SQRT2 = math.sqrt(2.0)
+
+
+def close(actual, expected, atol=1e-9):
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.allclose(actual, expected, atol=atol, rtol=0), f"\n{actual}\n!=\n{expected}"
+
+
+def test_grpo_hand_values():
+    adv = compute_advantages("grpo", SCORES, GROUPS, eps=0.0)
+    close(adv, [(1 / 3) * SQRT3, (-2 / 3) * SQRT3, -1 / SQRT2, (1 / 3) * SQRT3, 1 / SQRT2, 0.0])
+
+
+def test_grpo_default_eps_is_small():
+    adv = compute_advantages("grpo", SCORES, GROUPS)
+    close(adv, [(1 / 3) / (1 / SQRT3 + 1e-6), (-2 / 3) / (1 / SQRT3 + 1e-6), -1 / (SQRT2 + 1e-6), (1 / 3) / (1 / SQRT3 + 1e-6), 1 / (SQRT2 + 1e-6), 0.0])
+
+
+def test_grpo_without_std_normalisation_dr_grpo():
+    adv = compute_advantages("grpo", SCORES, GROUPS, norm_by_std=False)
+    close(adv, [1 / 3, -2 / 3, -1.0, 1 / 3, 1.0, 0.0])
+
+
+def test_grpo_group_without_reward_spread_gets_zero():
+    scores = torch.tensor([0.5, 0.5, 0.5, 1.0, 0.0])
+    groups = torch.tensor([10, 10, 10, -4, -4])
+    adv = compute_advantages("grpo", scores, groups)
+    close(adv, [0.0, 0.0, 0.0, 0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)], atol=1e-6)
+
+
+def test_grpo_broadcast_to_tokens_with_ragged_mask():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0], [1, 1, 0]])
+    adv = compute_advantages("grpo", SCORES, GROUPS, eps=0.0, response_mask=mask)
+    a, b, c = (1 / 3) * SQRT3, (-2 / 3) * SQRT3, 1 / SQRT2
+    close(adv, [[a, a, a], [b, b, 0], [-c, 0, 0], [a, a, a], [0, 0, 0], [0, 0, 0]])
+
+
+def test_rloo_hand_values():
+    # R_i minus the mean of the other responses of its group; the lone row 5 gets 0.
+    adv = compute_advantages("rloo", SCORES, GROUPS)
+    close(adv, [1 - 0.5, 0 - 1.0, 0 - 2.0, 1 - 0.5, 2 - 0.0, 0.0])
+
+
+def test_grpo_passk_credits_only_the_best():
+    scores = torch.tensor([3.0, 1.0, 0.0, 0.0, 2.0, 5.0], dtype=torch.float64)
+    groups = torch.tensor([1, 1, 1, 8, 8, 0])
+    # Group 1: [3, 1, 0], mean 4/3, var (25/9 + 1/9 + 16/9)/2 = 7/3; gap 3 - 1 = 2.
+    # Group 8: [0, 2], std sqrt(2), gap 2. Group 0 has one response: 0.
+    adv = compute_advantages("grpo_passk", scores, groups, eps=0.0)
+    close(adv, [2 / math.sqrt(7 / 3), 0, 0, 0, 2 / SQRT2, 0])
+    adv = compute_advantages("grpo_passk", scores, groups, norm_by_std=False)
+    close(adv, [2.0, 0, 0, 0, 2.0, 0])
+
+
+def test_grpo_passk_tie_gives_zero():
+    # Group 7 has two responses at the top score 1: the gap is 0.
+    adv = compute_advantages("grpo_passk", SCORES, GROUPS, eps=0.0)
+    close(adv, [0, 0, 0, 0, 2 / SQRT2, 0])
+
+
+def test_remax():
+    scores = torch.tensor([1.0, 0.0, 2.0])
+    adv = compute_advantages("remax", scores, torch.tensor([0, 0, 1]), baseline_scores=torch.tensor([0.5, 0.5, 3.0]))
+    close(adv, [0.5, -0.5, -1.0])
+    with pytest.raises(ValueError, match="baseline_scores"):
+        compute_advantages("remax", scores, torch.tensor([0, 0, 1]))
+
+
+def test_reinforce_plus_plus_outcome_only():
+    scores = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # Returns: row 0 [1, 1, 1], row 1 [-1, -1, -]. Valid mean 1/5, deviations 0.8 (x3), -1.2 (x2),
+    # unbiased var (3 * 0.64 + 2 * 1.44) / 4 = 1.2.
+    adv = compute_advantages("reinforce_plus_plus", scores, torch.tensor([0, 0]), response_mask=mask, eps=0.0)
+    s = math.sqrt(1.2)
+    close(adv, [[0.8 / s, 0.8 / s, 0.8 / s], [-1.2 / s, -1.2 / s, 0.0]])
+
+
+def test_reinforce_plus_plus_token_rewards_and_gamma():
+    scores = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # The 7.0 sits on a masked token and must be ignored.
+    token_rewards = torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.25, 7.0]], dtype=torch.float64)
+    # Rewards: row 0 [0.5, 0, 1]; row 1 [0, 0.25 - 1, -]. gamma 1/2:
+    # G row 0 = [0.5 + 0.5 * 0.5, 0 + 0.5 * 1, 1] = [0.75, 0.5, 1]; row 1 = [0.5 * -0.75, -0.75] = [-0.375, -0.75].
+    # Mean 1.125 / 5 = 0.225; deviations 0.525, 0.275, 0.775, -0.6, -0.975; var 2.2625 / 4 = 0.565625.
+    adv = compute_advantages(
+        "reinforce_plus_plus", scores, torch.tensor([3, 9]), response_mask=mask,
+        token_rewards=token_rewards, gamma=0.5, eps=0.0,
+    )
+    s = math.sqrt(0.565625)
+    close(adv, [[0.525 / s, 0.275 / s, 0.775 / s], [-0.6 / s, -0.975 / s, 0.0]])
+
+
+def test_reinforce_plus_plus_baseline():
+    scores = torch.tensor([1.0, 0.0, 3.0], dtype=torch.float64)
+    groups = torch.tensor([4, 4, 9])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    # Group-centred: [0.5, -0.5, 0]; on tokens: 0.5 (x2), -0.5 (x3), 0 (x1). Mean -1/12;
+    # deviations 7/12, -5/12, 1/12; var (2*49 + 3*25 + 1) / 144 / 5 = 29/120.
+    adv = compute_advantages("reinforce_plus_plus_baseline", scores, groups, response_mask=mask, eps=0.0)
+    s = math.sqrt(29 / 120)
+    close(adv, [[7 / 12 / s, 7 / 12 / s, 0], [-5 / 12 / s] * 3, [1 / 12 / s, 0, 0]])
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_token_level_estimators_need_response_mask(name):
+    with pytest.raises(ValueError, match="response_mask"):
+        compute_advantages(name, SCORES, GROUPS)
+
+
+def test_unknown_estimator_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names") as info:
+        compute_advantages("grpoo", SCORES, GROUPS)
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk"):
+        assert name in str(info.value)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(TypeError, match="gamma"):
+        compute_advantages("grpo", SCORES, GROUPS, gamma=0.9)
+    with pytest.raises(TypeError, match="norm_by_std"):
+        compute_advantages("rloo", SCORES, GROUPS, norm_by_std=False)
+
+
+def test_integer_scores_are_accepted():
+    adv = compute_advantages("rloo", torch.tensor([1, 0, 1, 1]), torch.tensor([0, 0, 1, 1]))
+    close(adv, [1.0, -1.0, 0.0, 0.0])
+
+
+def test_register_custom_estimator():
+    @register_advantage_estimator("test_doubled")
+    def doubled(scores, group_index, *, factor=2.0):
+        return scores * factor
+
+    try:
+        mask = torch.tensor([[1, 0], [1, 1]])
+        adv = compute_advantages("test_doubled", torch.tensor([1.0, 3.0]), torch.tensor([0, 1]), response_mask=mask, factor=3.0)
+        close(adv, [[3.0, 0.0], [9.0, 9.0]])
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage_estimator("test_doubled")(doubled)
+    finally:
+        del ADVANTAGE_ESTIMATORS["test_doubled"]
