@@ -1,0 +1,5 @@
+import sys
+
+from grouprl.cli import main
+
+sys.exit(main())

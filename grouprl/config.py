@@ -1,0 +1,452 @@
+"""Typed run configuration in the EasyR1/verl shape, read from YAML with dotted overrides.
+
+    grouprl train config.yaml worker.rollout.n=5 algorithm.loss_agg_mode=seq-mean-token-sum-norm
+
+The tree is a set of dataclasses; every key a user can write is a field here, so
+an unknown key is caught with the closest valid keys, and every value is checked
+against the field's type (and its ``choices`` where it has a closed set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message names the key."""
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+# ---------------------------------------------------------------------------- schema
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    format: str = field(default="auto", metadata=_choices("auto", "easyr1", "llava", "swift"))
+    prompt_key: str | None = None
+    answer_key: str | None = None
+    image_key: str | None = None
+    image_dir: str | None = None
+    system_prompt: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_prompt_length: int = 1024
+    max_response_length: int = 512
+    rollout_batch_size: int = 8  # prompts per training step
+    val_batch_size: int = 64  # prompts per validation generate call
+    val_max_samples: int | None = None
+    max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 1
+    skip_bad_records: bool = False
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO overlong shaping: linear penalty in the last ``length`` tokens before the limit."""
+
+    enable: bool = False
+    length: int = 64
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    gamma: float = 1.0
+    # KL to the reference policy. kl_coef > 0 turns it on; use_kl_loss chooses a loss
+    # term (GRPO/EditGRPO style) over a penalty folded into the reward (PPO style).
+    kl_coef: float = 0.0
+    use_kl_loss: bool = True
+    kl_penalty: str = "low_var_kl"
+    # DAPO dynamic sampling: drop groups whose reward std <= filter_min_std and
+    # generate more prompts, at most max_filter_rounds extra rounds per step.
+    online_filtering: bool = False
+    filter_min_std: float = 0.0
+    max_filter_rounds: int = 3
+    overlong_buffer: OverlongConfig = field(default_factory=OverlongConfig)
+    mask_truncated_completions: bool = False
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0 = no LoRA
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    include_vision: bool = False
+
+
+@dataclass
+class ModelConfig:
+    model_path: str | None = None
+    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16", "float16", "auto"))
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
+    freeze_vision_tower: bool = False
+    trainable_modules: list[str] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-2
+    lr_warmup_ratio: float = 0.0
+    lr_scheduler_type: str = field(default="constant", metadata=_choices("constant", "linear", "cosine"))
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    global_batch_size: int = 8  # prompts per optimizer step; x rollout.n responses
+    micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward
+    micro_batch_size_per_device_for_experience: int = 16  # responses per no-grad log-prob forward
+    ppo_epochs: int = 1
+    max_grad_norm: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.3
+    clip_ratio_dual: float | None = 3.0
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = field(default="hf", metadata=_choices("hf"))
+    n: int = 5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    val_temperature: float = 0.0  # greedy validation
+    val_n: int = 1
+
+
+@dataclass
+class RefConfig:
+    model_path: str | None = None  # None: the policy's starting weights (or the policy with LoRA off)
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = ""
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    # EasyR1's single-function form, `path/to/file.py:function`.
+    reward_function: str | None = None
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "grouprl"
+    experiment_name: str = "run"
+    output_dir: str | None = None  # default: runs/<experiment_name>
+    total_epochs: int = 1
+    max_steps: int | None = None
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    val_freq: int = -1  # -1 = never during training
+    val_before_train: bool = False
+    val_generations_to_log: int = 4
+    save_freq: int = -1  # -1 = only at the end
+    save_limit: int = -1  # -1 = keep every checkpoint
+    save_checkpoint_path: str | None = None  # default: <output_dir>/checkpoints
+    resume: str | None = None  # "auto" = the last checkpoint in save_checkpoint_path, or a path
+    log_rollouts: bool = True
+    seed: int = 1
+    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+
+
+@dataclass
+class SFTConfig:
+    """`grouprl sft`: supervised warm start on the datasets' reference answers."""
+
+    epochs: int = 1
+    batch_size: int = 16  # samples per optimizer step
+    micro_batch_size: int = 8
+    lr: float | None = None  # None: worker.actor.optim.lr
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir or Path("runs") / self.trainer.experiment_name)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.trainer.save_checkpoint_path or self.run_dir / "checkpoints")
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (leaves and sections)."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], key + "."))
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    valid = all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    # A right leaf name under the wrong section is the common mistake: suggest by leaf too.
+    near += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in near][:3]
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, choices)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} is not a valid {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' is a section; expected a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, str) and item_tp is str:
+            # `data.train_files=a.jsonl,b.jsonl` on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads 1e-6 as a string (no dot); accept what float() accepts
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
+        value = str(value)
+        if choices and value not in choices:
+            raise ConfigError(f"config key '{key}' accepts one of {', '.join(choices)}; got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type {tp}")  # a schema bug, not a user error
+
+
+def _build(cls: type, values: dict, prefix: str = ""):
+    hints = get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise _unknown_key(f"{prefix}{key}")
+        f = names[key]
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", f.metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML (``true``, ``3``, ``[a, b]``)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(values: dict) -> Config:
+    config = _build(Config, values or {})
+    validate(config)
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
+    values: dict = dict(base or {})
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        values = _merge(values, loaded)
+    values = _merge(values, parse_overrides(overrides or []))
+    return config_from_dict(values)
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML, atomically."""
+    write_text_atomic(Path(path), yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------- cross-field checks
+
+
+def _check_name(key: str, value: str, registry: dict) -> None:
+    if value not in registry:
+        raise ConfigError(f"config key '{key}' accepts one of {', '.join(sorted(registry))}; got {value!r}")
+
+
+def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
+
+
+def validate(config: Config) -> None:
+    """Checks that need more than one field or a registry."""
+    from grouprl import algorithms  # registries are pluggable, so read them at validation time
+
+    algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
+    _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
+    _check_name("algorithm.policy_loss", algo.policy_loss, algorithms.POLICY_LOSSES)
+    _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
+    _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
+    _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
+    _positive("worker.rollout.n", rollout.n)
+    _positive("worker.rollout.temperature", rollout.temperature, allow_zero=True)
+    if not 0 < rollout.top_p <= 1:
+        raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
+    _positive("data.rollout_batch_size", config.data.rollout_batch_size)
+    _positive("data.max_response_length", config.data.max_response_length)
+    _positive("worker.actor.global_batch_size", actor.global_batch_size)
+    _positive("worker.actor.micro_batch_size_per_device_for_update", actor.micro_batch_size_per_device_for_update)
+    _positive("worker.actor.micro_batch_size_per_device_for_experience", actor.micro_batch_size_per_device_for_experience)
+    _positive("worker.actor.ppo_epochs", actor.ppo_epochs)
+    _positive("worker.actor.optim.lr", actor.optim.lr, allow_zero=True)
+    if config.data.rollout_batch_size % actor.global_batch_size:
+        raise ConfigError(
+            f"config key 'data.rollout_batch_size' ({config.data.rollout_batch_size}) must be a multiple of "
+            f"'worker.actor.global_batch_size' ({actor.global_batch_size})"
+        )
+    if len(actor.optim.betas) != 2:
+        raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
+    if config.worker.reward.functions and config.worker.reward.reward_function:
+        raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
+    for i, fn in enumerate(config.worker.reward.functions):
+        if not fn.name:
+            raise ConfigError(f"config key 'worker.reward.functions[{i}].name' is empty")
+    if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
+        raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
+    allowed_loggers = {"console", "jsonl", "tensorboard", "wandb"}
+    for name in config.trainer.logger:
+        if name not in allowed_loggers:
+            raise ConfigError(f"config key 'trainer.logger' accepts {', '.join(sorted(allowed_loggers))}; got {name!r}")

@@ -1,0 +1,51 @@
+"""Writing a policy out as a plain Hugging Face model directory (LoRA merged in)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def save_merged(model, processor, out_dir: str | Path) -> Path:
+    """Save ``model`` (a PeftModel is merged first) and its processor to ``out_dir`` atomically.
+
+    The directory appears complete or not at all: it is written beside its final
+    place and renamed, so an interrupted export never leaves a half model behind.
+    """
+    out = Path(out_dir)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if processor is not None:
+        processor.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, base_model: str | None = None, dtype: str = "float32") -> Path:
+    """Turn ``global_step_N/`` into a standalone model: LoRA adapters are merged into ``base_model``."""
+    from grouprl.models.loading import load_model_and_processor
+
+    model_dir = Path(checkpoint) / "model"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{checkpoint} is not a grouprl checkpoint (no model/ directory)")
+    if (model_dir / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        import json
+
+        base = base_model or json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{checkpoint} holds a LoRA adapter; pass the base model it was trained from")
+        model, processor, _ = load_model_and_processor(base, dtype=dtype)
+        model = PeftModel.from_pretrained(model, str(model_dir))
+    else:
+        model, processor, _ = load_model_and_processor(str(model_dir), dtype=dtype)
+    return save_merged(model, processor, out_dir)
