@@ -84,7 +84,9 @@ def evaluate(model, processor, samples, *, max_new_tokens: int = 64, batch_size:
         "mean_reward": sum(rewards.total) / len(rewards.total),
         "finding_f1_micro": scores["micro_f1"],
         "finding_f1_macro": scores["macro_f1"],
-        "finding_f1_per_sample": scores["mean_f1"],
+        "finding_f1_per_sample": scores["sample_f1"],
+        "finding_accuracy": scores["accuracy"],
+        "labeler": scores["backend"],
         "mean_words": sum(len(r.split()) for r in reports) / len(reports),
         "examples": [{"reference": r, "generated": g} for r, g in list(zip(refs, reports))[:3]],
     }

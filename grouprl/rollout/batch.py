@@ -41,6 +41,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None  # [B, R]
     ref_log_probs: torch.Tensor | None = None  # [B, R]
+    rollout_log_probs: torch.Tensor | None = None  # [B, R], the sampler's own, when the engine was asked for them
     reward_components: dict[str, list[float | None]] = field(default_factory=dict)
     scores: torch.Tensor | None = None  # [B] float, the weighted reward
     advantages: torch.Tensor | None = None  # [B, R]
@@ -77,9 +78,78 @@ class RolloutBatch:
             loss_mask=take(self.loss_mask),
             old_log_probs=take(self.old_log_probs),
             ref_log_probs=take(self.ref_log_probs),
+            rollout_log_probs=take(self.rollout_log_probs),
             reward_components={k: [v[i] for i in keep] for k, v in self.reward_components.items()},
             scores=take(self.scores),
             advantages=take(self.advantages),
             edited=take(self.edited),
             extras={k: [v[i] for i in keep] for k, v in self.extras.items()},
+        )
+
+    @classmethod
+    def concat(cls, batches: list["RolloutBatch"], *, pad_token_id: int, renumber_groups: bool = True) -> "RolloutBatch":
+        """Rows of several batches in order, re-padded to a common prompt and response width.
+
+        Used when more rollouts are generated to fill a batch (dynamic sampling).
+        Each batch's groups are kept apart: with ``renumber_groups`` the group
+        ids of a batch are shifted past those of the batches before it, since
+        separate ``generate`` calls all number their prompts from 0. Prompts are
+        left-padded with ``pad_token_id``, responses right-padded; masks and
+        per-token values pad with 0.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat: no batches")
+        if len(batches) == 1:
+            return batches[0]
+        p_width = max(b.prompt_ids.shape[1] for b in batches)
+        r_width = max(b.response_ids.shape[1] for b in batches)
+
+        def left(t, width, value):
+            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+        def right(t, width, value):
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        def optional(name, fn):
+            values = [getattr(b, name) for b in batches]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"RolloutBatch.concat: {name} is set in some batches and not in others")
+            return torch.cat([fn(v) for v in values])
+
+        def per_row(name):
+            keys = [set(getattr(b, name)) for b in batches]
+            if any(k != keys[0] for k in keys):
+                raise ValueError(f"RolloutBatch.concat: {name} keys differ between batches: {[sorted(k) for k in keys]}")
+            return {k: [v for b in batches for v in getattr(b, name)[k]] for k in keys[0]}
+
+        groups, offset = [], 0
+        for b in batches:
+            shifted = b.group_index + offset if renumber_groups else b.group_index
+            groups.append(shifted)
+            if renumber_groups and len(b):
+                offset = int(shifted.max()) + 1
+
+        if any(bool(b.model_inputs) != bool(batches[0].model_inputs) for b in batches) and any(len(b) for b in batches):
+            raise ValueError("RolloutBatch.concat: model_inputs are set in some batches and not in others")
+        return cls(
+            samples=[s for b in batches for s in b.samples],
+            group_index=torch.cat(groups),
+            prompt_ids=torch.cat([left(b.prompt_ids, p_width, pad_token_id) for b in batches]),
+            prompt_mask=torch.cat([left(b.prompt_mask, p_width, 0) for b in batches]),
+            response_ids=torch.cat([right(b.response_ids, r_width, pad_token_id) for b in batches]),
+            response_mask=torch.cat([right(b.response_mask, r_width, 0) for b in batches]),
+            responses=[r for b in batches for r in b.responses],
+            truncated=torch.cat([b.truncated for b in batches]),
+            model_inputs=[m for b in batches for m in b.model_inputs],
+            loss_mask=optional("loss_mask", lambda t: right(t, r_width, 0)),
+            old_log_probs=optional("old_log_probs", lambda t: right(t, r_width, 0)),
+            ref_log_probs=optional("ref_log_probs", lambda t: right(t, r_width, 0)),
+            rollout_log_probs=optional("rollout_log_probs", lambda t: right(t, r_width, 0)),
+            reward_components=per_row("reward_components"),
+            scores=optional("scores", lambda t: t),
+            advantages=optional("advantages", lambda t: right(t, r_width, 0)),
+            edited=optional("edited", lambda t: t),
+            extras=per_row("extras"),
         )

@@ -183,7 +183,6 @@ class GRPOTrainer:
             keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
             if keep.any():
                 part = batch.select(keep.nonzero().squeeze(-1))
-                part.group_index = part.group_index + 100_000 * rounds  # keep groups distinct across rounds
                 kept.append(part)
                 kept_groups += int(part.group_index.unique().numel())
             rounds += 1
@@ -193,7 +192,7 @@ class GRPOTrainer:
         metrics["dynamic_sampling/kept_groups"] = float(kept_groups)
         if not kept:
             return None, metrics
-        batch = RolloutBatch.concat(kept)
+        batch = RolloutBatch.concat(kept, pad_token_id=self.engine.pad_token_id)
         groups = batch.group_index.unique(sorted=False)[:wanted] if kept_groups > wanted else None
         if groups is not None:
             batch = batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
@@ -201,6 +200,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ log-probs
 
+    @torch.no_grad()
     def _log_probs(self, model, batch: RolloutBatch, *, with_entropy: bool = False):
         from grouprl.rollout.logprobs import compute_log_probs
 
@@ -226,24 +226,25 @@ class GRPOTrainer:
             return metrics
 
         n_minibatches = max(1, len(batch) // (actor.global_batch_size * cfg.worker.rollout.n // self.accelerator.num_processes))
-        on_policy = actor.ppo_epochs == 1 and n_minibatches == 1
-        if not on_policy:
-            batch.old_log_probs = self._log_probs(self.model, batch)[0]
         kl_on = algo.kl_coef > 0
+        kl_in_reward = kl_on and not algo.use_kl_loss
+        # With one update per rollout the sampling policy is the one being trained, so
+        # its log-probs come for free from the update's own forward (ratio exactly 1).
+        on_policy = actor.ppo_epochs == 1 and n_minibatches == 1
+        if not on_policy or kl_in_reward:
+            batch.old_log_probs = self._log_probs(self.model, batch)[0]
         if kl_on:
             batch.ref_log_probs = self._reference_log_probs(batch)
 
         scores = batch.scores
         token_rewards = None
-        if kl_on and not algo.use_kl_loss:
-            # PPO-style KL in the reward: needs per-token log-probs of the sampling policy
-            old = batch.old_log_probs if batch.old_log_probs is not None else self._log_probs(self.model, batch)[0]
-            kl = algorithms.kl_penalty(old, batch.ref_log_probs, algo.kl_penalty) * batch.loss_mask
+        if kl_in_reward:
+            kl = algorithms.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_penalty) * batch.loss_mask
             token_rewards = -algo.kl_coef * kl
             metrics["reward/kl_penalty"] = _masked_mean(kl, batch.loss_mask)
         batch.advantages = self._advantages(scores, batch, token_rewards)
 
-        update_metrics = self._update(batch, n_minibatches, on_policy)
+        update_metrics = self._update(batch, n_minibatches)
         metrics.update(update_metrics)
         metrics.update(self._batch_metrics(batch))
         elapsed = time.perf_counter() - t0
@@ -286,7 +287,7 @@ class GRPOTrainer:
         by_group = dict(zip(first_row, result.total))
         return torch.tensor([by_group[g] for g in batch.group_index.tolist()], dtype=torch.float32)
 
-    def _update(self, batch: RolloutBatch, n_minibatches: int, on_policy: bool) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, n_minibatches: int) -> dict[str, float]:
         """PPO epochs over mini-batches; each mini-batch is one optimizer step over micro-batches."""
         from grouprl.rollout.logprobs import compute_log_probs
 
@@ -319,7 +320,7 @@ class GRPOTrainer:
                         log_prob, entropy = compute_log_probs(
                             self.model, mb, micro_batch_size=len(mb), temperature=cfg.worker.rollout.temperature,
                             with_entropy=True)
-                        old = log_prob.detach() if on_policy else mb.old_log_probs
+                        old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
                         pg_loss, pg_metrics = algorithms.compute_policy_loss(
                             algo.policy_loss, log_prob, old, mb.advantages, mb.loss_mask,
                             clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,

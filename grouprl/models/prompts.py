@@ -1,0 +1,240 @@
+"""Turning Samples into model inputs: chat-template prompts, image tensors, forward kwargs.
+
+One convention everywhere: token sequences are left-padded prompts followed by
+right-padded responses, and the extra tensors of a row (``pixel_values``,
+``image_grid_thw`` for Qwen-VL) live in one dict per row so any subset of rows
+can be re-collated into a micro-batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from grouprl.data.sample import Sample
+
+# Per-token outputs of a processor. They depend on the padding of the batch they
+# end up in, so they are rebuilt from input_ids at forward time instead of stored.
+_PER_TOKEN_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+
+TRUNCATION_MODES = ("error", "left")
+
+
+def tokenizer_of(processor) -> Any:
+    """The tokenizer inside a processor, or the processor itself for text models."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def pad_token_id(processor) -> int:
+    tokenizer = tokenizer_of(processor)
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token")
+    return pad
+
+
+def is_multimodal_processor(processor) -> bool:
+    return hasattr(processor, "image_processor")
+
+
+def render_prompt(processor, sample: Sample) -> str:
+    """The sample's messages through the chat template, ending with the assistant turn's header."""
+    n_slots = _count_image_slots(sample)
+    if n_slots != len(sample.images):
+        raise ValueError(
+            f"sample {sample.id}: the messages have {n_slots} image slot(s) but the sample has "
+            f"{len(sample.images)} image(s)"
+        )
+    # A processor's own template is the one saved with the checkpoint; fall back to
+    # the tokenizer's (text models, and processors saved without one).
+    renderer = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
+    if getattr(renderer, "chat_template", None) is None:
+        raise ValueError(f"{type(renderer).__name__} has no chat template; set processor.chat_template")
+    return renderer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
+
+
+def _count_image_slots(sample: Sample) -> int:
+    count = 0
+    for message in sample.messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            count += sum(1 for item in content if item.get("type") == "image")
+    return count
+
+
+def encode_sample(processor, sample: Sample) -> dict[str, torch.Tensor]:
+    """Processor output for one sample (batch dimension 1), images included."""
+    text = render_prompt(processor, sample)
+    # The template already wrote every special token the model expects; a second
+    # BOS from the tokenizer would shift the prompt away from what the model saw in training.
+    if sample.images:
+        if not is_multimodal_processor(processor):
+            raise ValueError(
+                f"sample {sample.id} has {len(sample.images)} image(s) but {type(processor).__name__} "
+                "is a text-only tokenizer; use a vision-language model or drop the images"
+            )
+        return dict(processor(text=[text], images=list(sample.images), return_tensors="pt", add_special_tokens=False))
+    if is_multimodal_processor(processor):
+        return dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))
+    return dict(tokenizer_of(processor)([text], return_tensors="pt", add_special_tokens=False))
+
+
+def encode_prompts(
+    processor,
+    samples: list[Sample],
+    *,
+    max_prompt_length: int | None = None,
+    truncation: str = "error",
+) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Encode samples into left-padded prompt ids and per-sample extra model inputs.
+
+    Returns ``(prompt_ids [N, P], prompt_mask [N, P], model_inputs)`` where
+    ``model_inputs[i]`` holds sample i's non-token inputs (e.g. ``pixel_values``
+    and ``image_grid_thw``), or is empty for a text prompt.
+
+    A prompt longer than ``max_prompt_length`` raises a ValueError naming the
+    sample (``truncation="error"``) or keeps its last tokens (``"left"``, which
+    still refuses to cut into image tokens: the image features would no longer
+    match the placeholders).
+    """
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"truncation={truncation!r} is not one of {TRUNCATION_MODES}")
+    if not samples:
+        raise ValueError("encode_prompts: no samples")
+    pad = pad_token_id(processor)
+    rows: list[torch.Tensor] = []
+    model_inputs: list[dict[str, torch.Tensor]] = []
+    for sample in samples:
+        encoded = encode_sample(processor, sample)
+        ids = encoded["input_ids"][0]
+        if "attention_mask" in encoded:
+            ids = ids[encoded["attention_mask"][0].bool()]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if truncation == "error":
+                raise ValueError(
+                    f"sample {sample.id}: the prompt has {len(ids)} tokens, more than "
+                    f"max_prompt_length={max_prompt_length} (raise data.max_prompt_length or truncate)"
+                )
+            cut = ids[: len(ids) - max_prompt_length]
+            if _has_multimodal_tokens(processor, cut):
+                raise ValueError(
+                    f"sample {sample.id}: left-truncating the prompt to max_prompt_length={max_prompt_length} "
+                    "would remove image tokens; raise data.max_prompt_length or use smaller images"
+                )
+            ids = ids[len(ids) - max_prompt_length :]
+        rows.append(ids)
+        model_inputs.append({k: v for k, v in encoded.items() if k not in _PER_TOKEN_KEYS and v is not None})
+    prompt_ids, prompt_mask = left_pad(rows, pad)
+    return prompt_ids, prompt_mask, model_inputs
+
+
+def _has_multimodal_tokens(processor, ids: torch.Tensor) -> bool:
+    special = [getattr(processor, name, None) for name in ("image_token_id", "video_token_id")]
+    return any(tok is not None and bool((ids == tok).any()) for tok in special)
+
+
+def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            ids[i, width - len(row) :] = row
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def collate_model_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate per-row extra inputs along dim 0, in row order.
+
+    Qwen-VL takes the patches of all images of a batch as one ``pixel_values``
+    tensor with one ``image_grid_thw`` row per image, in the order the image
+    tokens appear in ``input_ids``; concatenating rows in order keeps that.
+    Rows without images simply contribute nothing.
+    """
+    keys: list[str] = []
+    for row in rows:
+        keys.extend(k for k in row if k not in keys)
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        parts = [row[key] for row in rows if key in row]
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise TypeError(f"collate_model_inputs: model input {key!r} is not a tensor in every row")
+        out[key] = torch.cat(parts, dim=0)
+    return out
+
+
+def forward_parameters(model) -> set[str]:
+    """Names the underlying transformers model's ``forward`` accepts (through DDP and PEFT wrappers)."""
+    base = unwrap_model(model)
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    return set(inspect.signature(base.forward).parameters)
+
+
+def unwrap_model(model):
+    """The model inside DDP / accelerate wrappers (a PeftModel stays a PeftModel)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_device(model) -> torch.device:
+    try:
+        return next(unwrap_model(model).parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def model_config(model):
+    base = unwrap_model(model)
+    return base.config
+
+
+def forward_kwargs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+    *,
+    generation: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments for ``model(...)`` / ``model.generate(...)`` on a padded batch.
+
+    Positions are what make a left-padded row score like an unpadded one:
+    - with images, Qwen-VL builds its 3-D M-RoPE positions from the attention
+      mask itself; transformers >= 5 only does so when given
+      ``mm_token_type_ids`` (0 text, 1 image, 2 video), which we rebuild from
+      the ids because the processor's copy had another padding;
+    - without images, positions count real tokens only (cumsum of the mask),
+      which is what ``generate`` computes on its own (so ``generation=True``
+      leaves them out: generate extends positions step by step itself).
+    """
+    device = input_ids.device
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    kwargs.update({k: v.to(device) for k, v in extra.items()})
+    accepted = forward_parameters(model)
+    config = model_config(model)
+    has_vision = any(k in extra for k in ("image_grid_thw", "video_grid_thw"))
+    if has_vision:
+        if "mm_token_type_ids" in accepted:
+            types = torch.zeros_like(input_ids)
+            image_id = getattr(config, "image_token_id", None)
+            video_id = getattr(config, "video_token_id", None)
+            if image_id is not None:
+                types = types.masked_fill(input_ids == image_id, 1)
+            if video_id is not None:
+                types = types.masked_fill(input_ids == video_id, 2)
+            kwargs["mm_token_type_ids"] = types
+    elif not generation and "position_ids" in accepted:
+        kwargs["position_ids"] = text_position_ids(attention_mask)
+    return kwargs
+
+
+def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)

@@ -1,0 +1,225 @@
+"""End-to-end: tiny text and vision-language models train a few GRPO steps, resume, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, config_from_dict
+from grouprl.trainer.checkpoint import latest_checkpoint, step_dirs
+from grouprl.trainer.grpo import GRPOTrainer
+
+WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
+
+
+@pytest.fixture(scope="module")
+def text_setup(tmp_path_factory):
+    from grouprl.models.tiny import build_tiny_text_lm
+
+    root = tmp_path_factory.mktemp("text")
+    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(6) for w in WORDS]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    corpus = [r["problem"] for r in records] + WORDS
+    model = build_tiny_text_lm(root / "model", corpus, seed=0)
+    return {"data": data, "model": model}
+
+
+@pytest.fixture(scope="module")
+def vlm_setup(tmp_path_factory):
+    from grouprl.data.synthetic_cxr import corpus, write_dataset
+    from grouprl.models.tiny import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("vlm")
+    data = write_dataset(root / "data", 8, seed=0, format="llava")
+    model = build_tiny_vlm(root / "model", corpus(), seed=0)
+    return {"data": data, "model": model}
+
+
+def text_config(setup, out: Path, **overrides) -> dict:
+    cfg = {
+        "data": {"train_files": [str(setup["data"])], "max_response_length": 6, "rollout_batch_size": 4},
+        "algorithm": {"adv_estimator": "grpo"},
+        "worker": {
+            "actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
+                      "global_batch_size": 4, "micro_batch_size_per_device_for_update": 4,
+                      "micro_batch_size_per_device_for_experience": 16},
+            "rollout": {"n": 4},
+            "reward": {"functions": [{"name": "accuracy"}, {"name": "length", "weight": 0.5, "kwargs": {"target": 1}}]},
+        },
+        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "device": "cpu", "seed": 3},
+    }
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def params_of(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+
+
+def test_text_model_trains_and_writes_run_directory(text_setup, tmp_path):
+    trainer = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "run")))
+    before = params_of(trainer)
+    trainer.train()
+    after = params_of(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter moved"
+    run = tmp_path / "run"
+    assert (run / "config.yaml").exists()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "rewards/accuracy/mean", "rewards/length/mean", "frac_reward_zero_std",
+                "actor/clipfrac", "actor/entropy", "response_length/mean", "response/truncation_rate",
+                "timing/step_s", "perf/tokens_per_s"):
+        assert key in metrics[0], key
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 4 * 4
+    assert {"prompt", "response", "rewards", "advantage", "score"} <= set(rollouts[0])
+    # advantages of one group are centred (GRPO)
+    first_group = [r["advantage"] for r in rollouts if r["step"] == 1 and r["group"] == 0]
+    assert abs(sum(first_group)) < 1e-4
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [2]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"algorithm.adv_estimator": "rloo", "algorithm.policy_loss": "gspo",
+     "algorithm.loss_agg_mode": "seq-mean-token-mean"},
+    {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.kl_coef": 0.01, "algorithm.use_kl_loss": False},
+    {"algorithm.norm_adv_by_std_in_grpo": False, "algorithm.loss_agg_mode": "seq-mean-token-sum-norm",
+     "algorithm.kl_coef": 0.01, "worker.actor.model.lora": {"rank": 4, "alpha": 8}},
+    {"algorithm.policy_loss": "cispo", "worker.actor.ppo_epochs": 2, "worker.actor.global_batch_size": 2,
+     "algorithm.mask_truncated_completions": True, "algorithm.overlong_buffer": {"enable": True, "length": 2}},
+    {"algorithm.online_filtering": True, "algorithm.max_filter_rounds": 1, "algorithm.adv_estimator": "remax"},
+])
+def test_algorithm_variants_run(text_setup, tmp_path, overrides):
+    overrides = {"trainer.max_steps": 1, **overrides}
+    trainer = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "run", **overrides)))
+    metrics = trainer.train()
+    assert all(isinstance(v, float) for v in metrics.values())
+    if overrides.get("algorithm.kl_coef") and overrides.get("algorithm.use_kl_loss", True):
+        assert "actor/kl_loss" in metrics
+    if overrides.get("algorithm.use_kl_loss") is False:
+        assert "reward/kl_penalty" in metrics
+
+
+def test_gradient_accumulation_matches_one_micro_batch(text_setup, tmp_path):
+    """The gradient of a mini-batch is the same whether it is split into micro-batches or not."""
+    grads = []
+    for micro in (16, 3):
+        cfg = text_config(text_setup, tmp_path / f"m{micro}", **{
+            "trainer.max_steps": 1, "worker.actor.micro_batch_size_per_device_for_update": micro,
+            "algorithm.loss_agg_mode": "seq-mean-token-mean"})
+        trainer = GRPOTrainer(config_from_dict(cfg))
+        seen = {}
+        step = trainer.optimizer.step
+
+        def recording_step(*args, **kwargs):
+            seen.update({n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None})
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = recording_step
+        trainer.train()
+        grads.append(seen)
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+    for key in grads[0]:
+        torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-4, atol=1e-7)
+
+
+def test_kill_and_resume_matches_uninterrupted_run(text_setup, tmp_path):
+    steps = {"trainer.max_steps": 4, "trainer.save_freq": 2}
+    full = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "full", **steps)))
+    full.train()
+
+    cfg = text_config(text_setup, tmp_path / "killed", **steps)
+    killed = GRPOTrainer(config_from_dict(cfg))
+    original_step = killed.step
+
+    def dying_step(step):
+        if step == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return original_step(step)
+
+    killed.step = dying_step
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "global_step_2"
+
+    resumed = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "killed", **steps,
+                                                         **{"trainer.resume": "auto"})))
+    resumed.train()
+    assert resumed.state.global_step == 4
+    want, got = params_of(full), params_of(resumed)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    full_metrics = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    killed_metrics = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["reward/mean"] for x in killed_metrics] == [json.loads(x)["reward/mean"] for x in full_metrics]
+
+
+def test_save_limit_prunes_old_checkpoints(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 3, "trainer.save_freq": 1,
+                                                       "trainer.save_limit": 2})
+    GRPOTrainer(config_from_dict(cfg)).train()
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in step_dirs(root)] == [2, 3]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not list(root.glob(".*tmp"))
+
+
+def test_lora_export_merges_adapter(text_setup, tmp_path):
+    from grouprl.models.export import export_checkpoint
+    from grouprl.models.loading import load_model_and_processor
+
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1,
+                                                       "worker.actor.model.lora": {"rank": 4, "alpha": 8}})
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    merged_dir = export_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"), tmp_path / "merged",
+                                   base_model=str(text_setup["model"]))
+    merged, _, _ = load_model_and_processor(str(merged_dir))
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, trainer.policy(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    assert not (merged_dir / "adapter_config.json").exists()
+
+
+def test_vlm_trains_with_finding_reward(vlm_setup, tmp_path):
+    cfg = {
+        "data": {"train_files": [str(vlm_setup["data"])], "val_files": [str(vlm_setup["data"])],
+                 "max_response_length": 12, "rollout_batch_size": 2, "val_max_samples": 2},
+        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"]), "freeze_vision_tower": True},
+                             "optim": {"lr": 1e-3}, "global_batch_size": 2},
+                   "rollout": {"n": 3},
+                   "reward": {"functions": [{"name": "finding_f1"}]}},
+        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "logger": ["jsonl", "tensorboard"],
+                    "device": "cpu", "val_freq": 2},
+    }
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    vision_before = {k: v.clone() for k, v in trainer.policy.named_parameters() if "visual" in k}
+    trainer.train()
+    for k, v in trainer.policy.named_parameters():
+        if "visual" in k:
+            assert torch.equal(v, vision_before[k]), f"frozen vision parameter {k} moved"
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/reward/mean" in x for x in lines)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
+
+
+def test_missing_reward_and_model_are_config_errors(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run")
+    cfg["worker"]["reward"] = {"functions": []}
+    with pytest.raises(ConfigError, match="no reward"):
+        GRPOTrainer(config_from_dict(cfg))
+    cfg = text_config(text_setup, tmp_path / "run")
+    del cfg["worker"]["actor"]["model"]["model_path"]
+    with pytest.raises(ConfigError, match="model_path"):
+        GRPOTrainer(config_from_dict(cfg))
