@@ -30,6 +30,7 @@ from grouprl.rewards.rule_based import (
     math_equal,
     normalize_answer,
 )
+from grouprl.rewards import findings  # registers finding_f1 and finding_accuracy
 
 __all__ = [
     "RewardComponent",
