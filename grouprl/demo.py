@@ -34,7 +34,7 @@ def _model_config(model_path: str) -> dict:
 def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tuple[dict, dict]:
     """The SFT and GRPO configs the demo runs, as plain dicts (what a user would put in YAML)."""
     common_data = {"train_files": [str(data["train"])], "val_files": [str(data["val"])], "format": "llava",
-                   "max_prompt_length": 256, "max_response_length": 64, "seed": seed}
+                   "max_prompt_length": 256, "max_response_length": 96, "seed": seed}
     trainer = {"logger": ["console", "jsonl", "tensorboard"], "seed": seed, "device": "cpu"}
     sft = {
         "data": common_data,
@@ -64,7 +64,7 @@ def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tu
 
 
 @torch.no_grad()
-def evaluate(model, processor, samples, *, max_new_tokens: int = 64, batch_size: int = 48) -> dict:
+def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size: int = 48) -> dict:
     """Greedy reports for held-out studies, scored with the demo reward and finding-level F1."""
     from grouprl.rewards import RewardSet, RewardSpec
     from grouprl.rewards.findings import corpus_finding_scores
@@ -140,7 +140,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
         "train": write_dataset(out / "data" / "train", sizes["train"], seed=seed, format="llava"),
         "val": write_dataset(out / "data" / "val", sizes["val"], seed=seed + 10_000, format="llava"),
     }
-    build_tiny_vlm(out / "init_model", corpus(), seed=seed)
+    build_tiny_vlm(out / "init_model", corpus(), seed=seed, vocab_size=1024)
     console.print(f"data and tiny Qwen2.5-VL written under {out}")
 
     sft_cfg, grpo_cfg = demo_configs(out, data, sizes, seed)

@@ -382,6 +382,15 @@ class GRPOTrainer:
             })
         return records
 
+    def _mean_over_processes(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each process saw its own shard of the batch; log the mean over all of them."""
+        if self.accelerator.num_processes == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device)
+        values = self.accelerator.reduce(values, reduction="mean")
+        return dict(zip(keys, values.tolist()))
+
     # ------------------------------------------------------------------ validation
 
     @torch.no_grad()
@@ -445,10 +454,10 @@ class GRPOTrainer:
         last: dict[str, float] = {}
         try:
             if t.val_before_train and self.state.global_step == 0:
-                self.logger.log(0, self.validate(0), prefix="val/")
+                self.logger.log(0, self._mean_over_processes(self.validate(0)), prefix="val/")
             while self.state.global_step < self.total_steps:
                 step = self.state.global_step + 1
-                metrics = self.step(step)
+                metrics = self._mean_over_processes(self.step(step))
                 self.state.global_step = step
                 self.state.epoch = self.stream.epoch
                 self.logger.log(step, metrics)
@@ -456,7 +465,7 @@ class GRPOTrainer:
                 if getattr(self, "_last_batch", None) is not None and rollouts.enabled:
                     rollouts.write(step, self.rollout_records(self._last_batch))
                 if t.val_freq > 0 and step % t.val_freq == 0:
-                    self.logger.log(step, self.validate(step), prefix="val/")
+                    self.logger.log(step, self._mean_over_processes(self.validate(step)), prefix="val/")
                 if t.save_freq > 0 and step % t.save_freq == 0:
                     self.save()
             if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
