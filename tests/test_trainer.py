@@ -223,3 +223,19 @@ def test_missing_reward_and_model_are_config_errors(text_setup, tmp_path):
     del cfg["worker"]["actor"]["model"]["model_path"]
     with pytest.raises(ConfigError, match="model_path"):
         GRPOTrainer(config_from_dict(cfg))
+
+
+def test_vlm_checkpoint_weights_round_trip(vlm_setup, tmp_path):
+    """save_pretrained renames Qwen2.5-VL keys to the hub layout; resuming must map them back."""
+    from grouprl.models.loading import load_model_and_processor
+    from grouprl.trainer.checkpoint import TrainerState, load_model_weights, save_checkpoint
+
+    model, processor, _ = load_model_and_processor(str(vlm_setup["model"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    path = save_checkpoint(tmp_path / "ck", TrainerState(global_step=1), model, None, None, processor=processor)
+    fresh, _, _ = load_model_and_processor(str(vlm_setup["model"]))
+    load_model_weights(fresh, path)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name

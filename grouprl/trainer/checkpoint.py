@@ -188,15 +188,13 @@ def load_model_weights(model, path: Path) -> None:
 
         set_peft_model_state_dict(model, load_file(str(adapter)))
         return
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
+    if not list(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"checkpoint {path} has no model weights in {model_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(shard)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # tied embeddings are saved once; anything else missing means the wrong checkpoint
-    missing = [k for k in missing if "lm_head" not in k]
+    # save_pretrained may write keys in the checkpoint layout of the hub (transformers
+    # renames e.g. Qwen2.5-VL's `model.visual` to `visual` on save), so read them back
+    # through from_pretrained, which applies the same conversion in reverse.
+    saved = type(model).from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
