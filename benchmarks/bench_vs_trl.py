@@ -65,6 +65,7 @@ that learns to answer shorter also generates faster.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib.util
 import json
@@ -156,9 +157,13 @@ def run_trl(spec: dict) -> dict:
     P, n, micro = spec["prompts_per_step"], spec["n"], spec["micro_batch"]
     accumulation = P * n // micro
     rows = [{"prompt": [{"role": "user", "content": r["problem"]}], "answer": r["answer"]} for r in records()]
+    # transformers 5 renamed gradient_checkpointing (TRL defaults it to on) to activation_checkpointing
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    no_checkpointing = {"activation_checkpointing" if "activation_checkpointing" in names
+                        else "gradient_checkpointing": False}
     args = GRPOConfig(
         output_dir=spec["run_dir"], seed=spec["seed"], data_seed=spec["seed"],
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=True, bf16=False, fp16=False, **no_checkpointing,
         num_generations=n, max_completion_length=spec["max_new_tokens"],
         per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation, num_iterations=1,
@@ -234,7 +239,7 @@ def _version(package: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps per framework; the first is warm-up (untimed)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per framework; the first is warm-up (untimed)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step (= one optimizer step)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="max completion length")
@@ -242,21 +247,29 @@ def parse_args(argv=None):
                    help="completions per forward/backward (default: the whole step's batch)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in each subprocess")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in each subprocess (default 1: the tiny model gains nothing from more, "
+                        "and multi-threaded timings swing wildly when anything else runs on the machine)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per framework, in alternating order (A B B A ...); samples/s is the best run's")
     p.add_argument("--last-k", type=int, default=5, help="mean reward over the last k steps")
     p.add_argument("--hidden-size", type=int, default=64, help="tiny model width")
     p.add_argument("--layers", type=int, default=2, help="tiny model depth")
     p.add_argument("--frameworks", default="grouprl,trl", help="comma-separated subset of grouprl,trl")
     p.add_argument("--out", default="bench_vs_trl.json", help="where to write the JSON result")
-    p.add_argument("--keep", default=None, help="keep the model, data and run directories under this path")
+    p.add_argument("--keep", default=None, help="keep the model, data, logs and run directories under this path")
     p.add_argument("--_worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--_spec", help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._worker:
+        return args
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step is an untimed warm-up)")
     if args.n < 2:
         p.error("--n must be at least 2 (group-relative advantages need a group)")
+    if args.repeats < 1 or args.threads < 1 or args.last_k < 1:
+        p.error("--repeats, --threads and --last-k must be at least 1")
     batch = args.prompts_per_step * args.n
     args.micro_batch = args.micro_batch or batch
     if batch % args.micro_batch:
@@ -278,38 +291,61 @@ def build_inputs(root: Path, args) -> tuple[Path, Path]:
     return data, model
 
 
-def run_worker(framework: str, spec: dict, root: Path) -> dict:
-    spec_path, result_path, log_path = (root / f"{framework}.{x}" for x in ("spec.json", "result.json", "log"))
-    spec = {**spec, "run_dir": str(root / f"{framework}_run")}
+def run_worker(framework: str, spec: dict, root: Path, repeat: int) -> dict:
+    tag = f"{framework}.{repeat}"
+    spec_path, result_path, log_path = (root / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
+    spec = {**spec, "run_dir": str(root / f"{tag}_run")}
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker", framework, "--_spec", str(spec_path),
            "--_result", str(result_path)]
-    print(f"[bench] training with {framework} ({spec['steps']} steps) ...", flush=True)
+    print(f"[bench] {framework}: {spec['steps']} steps (run {repeat + 1}) ...", end=" ", flush=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
+        print("failed", flush=True)
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
         raise SystemExit(f"[bench] the {framework} run failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
     result["subprocess_wall_s"] = time.perf_counter() - start
+    print(f"{result['samples_per_s']:.1f} samples/s, load {os.getloadavg()[0]:.2f}", flush=True)
     return result
 
 
-def print_table(results: dict[str, dict], ratio: float | None, args) -> None:
+def summarize(runs: list[dict]) -> dict:
+    best = max(runs, key=lambda r: r["samples_per_s"])
+    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+    return {
+        "version": best["version"],
+        "torch_threads": best["torch_threads"],
+        "samples_per_s": best["samples_per_s"],
+        "seconds_per_step": best["seconds_per_step"],
+        "samples_per_s_runs": [r["samples_per_s"] for r in runs],
+        "reward_last_k": mean("reward_last_k"),
+        "reward_first_step": runs[0]["reward_first_step"],
+        "completion_length_mean": mean("completion_length_mean"),
+        "runs": runs,
+    }
+
+
+def print_table(summary: dict[str, dict], ratio: float | None, args) -> None:
     k = min(args.last_k, args.steps)
-    header = f"{'framework':<10} {'version':<10} {'samples/s':>10} {'s/step':>8} {f'reward(last {k})':>16} {'reward(step 1)':>15} {'mean len':>9}"
+    header = (f"{'framework':<10} {'version':<9} {'samples/s':>10} {'s/step':>8} "
+              f"{f'reward last {k}':>14} {'reward step 1':>14} {'mean len':>9}")
     print()
     print(header)
     print("-" * len(header))
-    for name, r in results.items():
-        print(f"{name:<10} {r['version']:<10} {r['samples_per_s']:>10.1f} {r['seconds_per_step']:>8.3f} "
-              f"{r['reward_last_k']:>16.3f} {r['reward_first_step']:>15.3f} {r['completion_length_mean']:>9.2f}")
+    for name, r in summary.items():
+        print(f"{name:<10} {r['version']:<9} {r['samples_per_s']:>10.1f} {r['seconds_per_step']:>8.3f} "
+              f"{r['reward_last_k']:>14.3f} {r['reward_first_step']:>14.3f} {r['completion_length_mean']:>9.2f}")
     if ratio is not None:
-        print(f"\nthroughput ratio grouprl / TRL: {ratio:.2f}x")
+        print(f"\nthroughput grouprl / TRL: {ratio:.2f}x")
+    print(f"({args.prompts_per_step} prompts x {args.n} completions per step, <= {args.max_new_tokens} new tokens, "
+          f"{args.steps} steps, {args.threads} torch thread(s); samples/s = completions per second, best of "
+          f"{args.repeats} run(s), first step untimed; rewards averaged over runs)")
 
 
 def main(argv=None) -> int:
@@ -322,9 +358,10 @@ def main(argv=None) -> int:
     if unknown or not frameworks:
         raise SystemExit(f"--frameworks: expected a subset of grouprl,trl; got {args.frameworks!r}")
     if "trl" in frameworks and importlib.util.find_spec("trl") is None:
-        raise SystemExit(f"TRL is not installed; this benchmark compares against it. Install it with:\n"
-                         f"    {INSTALL_HINT}")
+        raise SystemExit("TRL is not installed, and this benchmark compares grouprl against it. Install it with\n"
+                         f"    {INSTALL_HINT}\n(or run only grouprl with --frameworks grouprl)")
 
+    load_at_start = list(os.getloadavg())
     tmp = None
     if args.keep:
         root = Path(args.keep)
@@ -333,28 +370,33 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="grouprl_bench_")
         root = Path(tmp.name)
     try:
-        print(f"[bench] building the tiny model and data in {root}", flush=True)
+        print(f"[bench] building the tiny model and data in {root}; load average {load_at_start[0]:.2f}", flush=True)
         data, model = build_inputs(root, args)
         spec = {"data": str(data), "model": str(model), "steps": args.steps, "n": args.n,
                 "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
                 "micro_batch": args.micro_batch, "lr": args.lr, "seed": args.seed, "threads": args.threads,
                 "last_k": args.last_k}
-        results = {name: run_worker(name, spec, root) for name in frameworks}
+        runs: dict[str, list[dict]] = {name: [] for name in frameworks}
+        for repeat in range(args.repeats):
+            # alternate the order so that neither framework always runs on a warmer (or busier) machine
+            for name in frameworks if repeat % 2 == 0 else frameworks[::-1]:
+                runs[name].append(run_worker(name, spec, root, repeat))
     finally:
         if tmp is not None:
             tmp.cleanup()
 
+    summary = {name: summarize(r) for name, r in runs.items()}
     ratio = None
-    if {"grouprl", "trl"} <= results.keys():
-        ratio = results["grouprl"]["samples_per_s"] / results["trl"]["samples_per_s"]
-    print_table(results, ratio, args)
+    if {"grouprl", "trl"} <= summary.keys():
+        ratio = summary["grouprl"]["samples_per_s"] / summary["trl"]["samples_per_s"]
+    print_table(summary, ratio, args)
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("out", "keep")}
     out = {
         "settings": settings,
-        "machine": {"cpu_count": os.cpu_count(), "load_avg_at_end": list(os.getloadavg()),
-                    "python": sys.version.split()[0], "torch": _version("torch"),
-                    "transformers": _version("transformers")},
-        "results": results,
+        "machine": {"cpu_count": os.cpu_count(), "load_avg_at_start": load_at_start,
+                    "load_avg_at_end": list(os.getloadavg()), "python": sys.version.split()[0],
+                    "torch": _version("torch"), "transformers": _version("transformers")},
+        "results": summary,
         "ratio_grouprl_over_trl": ratio,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

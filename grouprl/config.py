@@ -138,6 +138,7 @@ class RolloutConfig:
     top_k: int = -1  # -1 = off
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1
+    micro_batch_size: int | None = None  # responses per generate call; None = the whole batch at once
 
 
 @dataclass

@@ -120,7 +120,8 @@ class GRPOTrainer:
         from grouprl.rollout.hf_engine import HFGenerationEngine
 
         self.policy = self.accelerator.unwrap_model(self.model)
-        self.engine = HFGenerationEngine(self.policy, self.processor, max_prompt_length=config.data.max_prompt_length)
+        self.engine = HFGenerationEngine(self.policy, self.processor, max_prompt_length=config.data.max_prompt_length,
+                                         micro_batch_size=config.worker.rollout.micro_batch_size)
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
