@@ -1,8 +1,8 @@
 """grouprl's GRPOTrainer against TRL's GRPOTrainer: throughput and reward at equal settings.
 
-    python benchmarks/bench_vs_trl.py                      # defaults: a few minutes on 2 CPU cores
-    python benchmarks/bench_vs_trl.py --steps 30 --n 8 --prompts-per-step 4 --max-new-tokens 16 \
-        --out bench.json
+    python benchmarks/bench_vs_trl.py                      # defaults: about 1-2 minutes on 2 CPU cores
+    python benchmarks/bench_vs_trl.py --steps 100 --n 8 --prompts-per-step 4 --max-new-tokens 16 \
+        --seed 0 --out bench.json
 
 One run builds a tiny Qwen2 causal LM (``grouprl.models.tiny.build_tiny_text_lm``)
 and a synthetic task once, into a temporary directory, then trains it from the
@@ -60,6 +60,14 @@ construction, the warm-up step and the final checkpoint are outside it.
 samples/s = completions trained on per second. The mean reward is over the
 last ``--last-k`` steps; completion lengths are reported too, because a policy
 that learns to answer shorter also generates faster.
+
+Each framework runs ``--repeats`` times, in alternating order (A B B A ...), and
+its best run's samples/s is reported (the usual way to read a timing on a shared
+machine: interference only ever slows a run down); every run's figure is in the
+JSON. Torch threads default to 1: a model this small gains nothing from
+intra-op parallelism, and multi-threaded timings on a 2-core machine swing by 10x
+or more as soon as another process takes a core (OpenMP threads wait on each
+other). Pass ``--threads 2`` on an idle machine to compare the two anyway.
 """
 
 from __future__ import annotations
@@ -239,20 +247,20 @@ def _version(package: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="training steps per framework; the first is warm-up (untimed)")
+    p.add_argument("--steps", type=int, default=100, help="training steps per framework; the first is warm-up (untimed)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step (= one optimizer step)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="max completion length")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="completions per forward/backward (default: the whole step's batch)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in each subprocess (default 1: the tiny model gains nothing from more, "
                         "and multi-threaded timings swing wildly when anything else runs on the machine)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per framework, in alternating order (A B B A ...); samples/s is the best run's")
-    p.add_argument("--last-k", type=int, default=5, help="mean reward over the last k steps")
+    p.add_argument("--last-k", type=int, default=10, help="mean reward over the last k steps")
     p.add_argument("--hidden-size", type=int, default=64, help="tiny model width")
     p.add_argument("--layers", type=int, default=2, help="tiny model depth")
     p.add_argument("--frameworks", default="grouprl,trl", help="comma-separated subset of grouprl,trl")
