@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -108,6 +109,10 @@ class GRPOTrainer:
             self.ref_model.to(self.accelerator.device)
 
         world = self.accelerator.num_processes
+        if world > 1 and config.algorithm.online_filtering:
+            # processes would keep different numbers of groups and disagree on the number
+            # of optimizer steps; balancing them across processes is not implemented yet
+            raise ConfigError("algorithm.online_filtering is not supported with more than one process yet")
         self.stream = PromptStream(train_dataset, config.data.rollout_batch_size, seed=config.data.seed,
                                    shuffle=config.data.shuffle, rank=self.accelerator.process_index, world_size=world)
         self.total_steps = t.max_steps or t.total_epochs * self.stream.batches_per_epoch
@@ -171,7 +176,8 @@ class GRPOTrainer:
         kept_groups, rounds, metrics = 0, 0, {}
         while True:
             prompts = self.stream.next_batch()
-            batch = self.engine.generate(prompts, params)
+            # each extra round draws new prompts; a new seed keeps its samples independent too
+            batch = self.engine.generate(prompts, replace(params, seed=params.seed + 7919 * rounds))
             for transform in self.rollout_transforms:
                 batch = transform(batch)
             self._score(batch)
@@ -194,7 +200,7 @@ class GRPOTrainer:
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept, pad_token_id=self.engine.pad_token_id)
-        groups = batch.group_index.unique(sorted=False)[:wanted] if kept_groups > wanted else None
+        groups = batch.group_index.unique()[:wanted] if kept_groups > wanted else None  # the earliest groups
         if groups is not None:
             batch = batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
         return batch, metrics
@@ -276,8 +282,6 @@ class GRPOTrainer:
     @torch.no_grad()
     def _greedy_baseline(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's rows."""
-        from dataclasses import replace
-
         first_row = {}
         for row, g in enumerate(batch.group_index.tolist()):
             first_row.setdefault(g, row)
@@ -340,10 +344,10 @@ class GRPOTrainer:
                         add(f"actor/{key}", value)
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), actor.max_grad_norm)
                 add("actor/grad_norm", float(grad_norm))
-                if math.isfinite(float(grad_norm)):
+                finite = math.isfinite(float(grad_norm))
+                if finite:
                     self.optimizer.step()
-                else:
-                    add("actor/nonfinite_grad_steps", 1.0)
+                add("actor/nonfinite_grad_steps", 0.0 if finite else 1.0)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 self.state.optimizer_steps += 1
