@@ -1,0 +1,195 @@
+"""CheXpert-label agreement between generated and reference reports: corpus F1 and per-sample rewards.
+
+Both reports of a pair are labelled by the rule-based labeler
+(:func:`grouprl.rewards.radiology.chexpert.label_report`), and each label becomes
+binary (:func:`to_binary`): positive is 1; uncertain is 1 by default (the
+"uncertain as positive" convention of CheXbert-F1 papers, since a hedged mention
+of a real finding is a detection) or 0 with ``uncertain_as_positive=False``;
+negative and not mentioned are 0. "No Finding" is one of the 14 classes, so a
+normal report described as normal agrees on a positive.
+
+Corpus scores (:func:`chexpert_f1`), on the positive class over the whole test set:
+micro F1 (pooled counts) and macro F1 (mean of per-class F1) over the 14 classes
+and over the five (``FIVE``). A class with no positive in either hypotheses or
+references has an undefined F1, counted as ``zero_division`` (0.0 by default,
+as scikit-learn's ``f1_score`` does in the published evaluations).
+
+Per-sample reward components (registered in
+:mod:`grouprl.rewards.radiology.components`, backend ``labeler=rules``):
+
+- ``cxb14micro``: F1 of the hypothesis's positive classes against the
+  reference's, over the 14 classes, ``2 TP / (2 TP + FP + FN)``; 1.0 when
+  neither has a positive (nothing to find, nothing claimed).
+- ``cxb5micro``: the same over the five classes.
+- ``cxb_bal_acc``: balanced accuracy of the hypothesis's 14 binary labels against
+  the reference's, taken as truth: the mean of the recall of the reference's
+  positives (TP / (TP + FN)) and of its negatives (TN / (TN + FP)). When the
+  reference has no positive (or no negative) that recall is undefined and the
+  score is the other one alone, as scikit-learn's ``balanced_accuracy_score``
+  averages over the classes present in the truth.
+
+Batch functions label each distinct text once: the references of a group of
+rollouts are usually one text repeated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from grouprl.rewards.radiology.chexpert import BACKEND, FIVE, OBSERVATIONS, label_report
+from grouprl.rewards.radiology.components import register_component
+
+# Positions of the classes in a binary vector (``to_binary`` order).
+INDEX_14: tuple[int, ...] = tuple(range(len(OBSERVATIONS)))
+INDEX_5: tuple[int, ...] = tuple(OBSERVATIONS.index(name) for name in FIVE)
+
+Labels = Mapping[str, "int | None"]
+
+
+def to_binary(labels: Labels, *, uncertain_as_positive: bool = True) -> list[int]:
+    """The 14 labels as 0/1 in ``OBSERVATIONS`` order: 1 positive, uncertain as chosen, else 0."""
+    uncertain = 1 if uncertain_as_positive else 0
+    out = []
+    for name in OBSERVATIONS:
+        value = labels.get(name)
+        out.append(1 if value == 1 else uncertain if value == -1 else 0)
+    return out
+
+
+def _f1(tp: int, fp: int, fn: int, undefined: float) -> float:
+    denominator = 2 * tp + fp + fn
+    return 2 * tp / denominator if denominator else undefined
+
+
+def label_f1(hyp: Sequence[int], ref: Sequence[int], classes: Sequence[int] = INDEX_14) -> float:
+    """Per-sample micro F1 of two binary vectors over ``classes``; 1.0 when neither has a positive."""
+    tp = fp = fn = 0
+    for i in classes:
+        h, r = hyp[i], ref[i]
+        tp += h and r
+        fp += h and not r
+        fn += r and not h
+    return _f1(tp, fp, fn, 1.0)
+
+
+def label_balanced_accuracy(hyp: Sequence[int], ref: Sequence[int], classes: Sequence[int] = INDEX_14) -> float:
+    """Per-sample balanced accuracy of ``hyp`` against ``ref`` (the truth) over ``classes``.
+
+    ``(TP / (TP + FN) + TN / (TN + FP)) / 2``; when the reference has only negatives
+    (or only positives) the undefined recall is left out and the other is the score.
+    """
+    tp = fn = tn = fp = 0
+    for i in classes:
+        if ref[i]:
+            tp += bool(hyp[i])
+            fn += not hyp[i]
+        else:
+            tn += not hyp[i]
+            fp += bool(hyp[i])
+    recalls = [hits / (hits + misses) for hits, misses in ((tp, fn), (tn, fp)) if hits + misses]
+    return sum(recalls) / len(recalls)
+
+
+def chexpert_f1(
+    hyps_labels: Sequence[Labels],
+    refs_labels: Sequence[Labels],
+    *,
+    uncertain_as_positive: bool = True,
+    zero_division: float = 0.0,
+) -> dict[str, Any]:
+    """Corpus CheXpert-label F1 of hypotheses against references (label dicts, one per report).
+
+    Returns ``micro_f1_14``, ``macro_f1_14``, ``micro_f1_5``, ``macro_f1_5``,
+    ``per_class_f1`` (all 14), ``support`` (reference positives per class), ``n``,
+    ``uncertain_as_positive`` and ``backend``. A class with no positive anywhere
+    has F1 ``zero_division``; so has a micro F1 with no positive at all.
+    """
+    if len(hyps_labels) != len(refs_labels):
+        raise ValueError(f"got {len(hyps_labels)} hypotheses for {len(refs_labels)} references")
+    k = len(OBSERVATIONS)
+    tp, fp, fn = [0] * k, [0] * k, [0] * k
+    for hyp_labels, ref_labels in zip(hyps_labels, refs_labels):
+        hyp = to_binary(hyp_labels, uncertain_as_positive=uncertain_as_positive)
+        ref = to_binary(ref_labels, uncertain_as_positive=uncertain_as_positive)
+        for i in range(k):
+            tp[i] += hyp[i] and ref[i]
+            fp[i] += hyp[i] and not ref[i]
+            fn[i] += ref[i] and not hyp[i]
+    per_class = [_f1(tp[i], fp[i], fn[i], zero_division) for i in range(k)]
+
+    def micro(classes: Sequence[int]) -> float:
+        return _f1(sum(tp[i] for i in classes), sum(fp[i] for i in classes), sum(fn[i] for i in classes),
+                   zero_division)
+
+    def macro(classes: Sequence[int]) -> float:
+        return sum(per_class[i] for i in classes) / len(classes)
+
+    return {
+        "micro_f1_14": micro(INDEX_14),
+        "macro_f1_14": macro(INDEX_14),
+        "micro_f1_5": micro(INDEX_5),
+        "macro_f1_5": macro(INDEX_5),
+        "per_class_f1": dict(zip(OBSERVATIONS, per_class)),
+        "support": {name: tp[i] + fn[i] for i, name in enumerate(OBSERVATIONS)},
+        "n": len(hyps_labels),
+        "uncertain_as_positive": uncertain_as_positive,
+        "backend": BACKEND,
+    }
+
+
+def label_pairs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """Labels of every hypothesis and reference, each distinct text labelled once."""
+    if len(hyps) != len(refs):
+        raise ValueError(f"got {len(hyps)} hypotheses for {len(refs)} references")
+    cache: dict[str, dict] = {}
+
+    def labels(text: Any, role: str, row: int) -> dict:
+        if not isinstance(text, str):
+            raise TypeError(f"{role} {row} must be a string, got {type(text).__name__}")
+        found = cache.get(text)
+        if found is None:
+            found = cache[text] = label_report(text)
+        return found
+
+    return ([labels(h, "hypothesis", i) for i, h in enumerate(hyps)],
+            [labels(r, "reference", i) for i, r in enumerate(refs)])
+
+
+def chexpert_f1_reports(
+    hyps: Sequence[str],
+    refs: Sequence[str],
+    *,
+    uncertain_as_positive: bool = True,
+    zero_division: float = 0.0,
+) -> dict[str, Any]:
+    """:func:`chexpert_f1` of report texts, labelled by the rule-based labeler."""
+    hyps_labels, refs_labels = label_pairs(hyps, refs)
+    return chexpert_f1(hyps_labels, refs_labels, uncertain_as_positive=uncertain_as_positive,
+                       zero_division=zero_division)
+
+
+def _per_sample(score, hyps, refs, classes, uncertain_as_positive) -> list[float]:
+    hyps_labels, refs_labels = label_pairs(hyps, refs)
+    return [
+        score(to_binary(h, uncertain_as_positive=uncertain_as_positive),
+              to_binary(r, uncertain_as_positive=uncertain_as_positive), classes)
+        for h, r in zip(hyps_labels, refs_labels)
+    ]
+
+
+@register_component("cxb14micro", backend=BACKEND)
+def cxb14micro(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample CheXpert-label micro F1 over the 14 classes (1.0 when neither report has a positive)."""
+    return _per_sample(label_f1, hyps, refs, INDEX_14, uncertain_as_positive)
+
+
+@register_component("cxb5micro", backend=BACKEND)
+def cxb5micro(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample CheXpert-label micro F1 over the five classes (1.0 when neither report has a positive)."""
+    return _per_sample(label_f1, hyps, refs, INDEX_5, uncertain_as_positive)
+
+
+@register_component("cxb_bal_acc", backend=BACKEND)
+def cxb_bal_acc(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample balanced accuracy of the 14 CheXpert labels against the reference's."""
+    return _per_sample(label_balanced_accuracy, hyps, refs, INDEX_14, uncertain_as_positive)
