@@ -298,3 +298,18 @@ def test_corpus_metrics_hand_worked():
     assert cxb5micro(HYPS, REFS) == pytest.approx([2 / 3, 1.0, 0.0])
     # pair 1: recall 1/2, specificity 12/12; pair 2: 1, 13/13; pair 3: 1/1, 12/13
     assert cxb_bal_acc(HYPS, REFS) == pytest.approx([0.75, 1.0, (1 + 12 / 13) / 2])
+
+
+def test_macro_and_accuracy_components_on_worked_pairs():
+    from grouprl.rewards.radiology.label_metrics import cxb14macro, cxb5macro, cxb_accuracy
+
+    hyp = "Cardiomegaly. Small left pleural effusion. No pneumothorax."
+    ref = "Cardiomegaly. Left lower lobe atelectasis. No effusion."
+    # positives: hyp {Cardiomegaly, Pleural Effusion}, ref {Cardiomegaly, Atelectasis}
+    # macro over classes positive in either: Cardiomegaly 1, Effusion 0, Atelectasis 0 -> 1/3
+    assert cxb14macro([hyp], [ref]) == [pytest.approx(1 / 3)]
+    # the 5 competition labels contain all three -> also 1/3
+    assert cxb5macro([hyp], [ref]) == [pytest.approx(1 / 3)]
+    # 14 labels: disagreement on Effusion and Atelectasis only -> 12/14
+    assert cxb_accuracy([hyp], [ref]) == [pytest.approx(12 / 14)]
+    assert cxb14macro([ref], [ref]) == [1.0] and cxb_accuracy([ref], [ref]) == [1.0]

@@ -193,3 +193,37 @@ def cxb5micro(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool =
 def cxb_bal_acc(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
     """Per-sample balanced accuracy of the 14 CheXpert labels against the reference's."""
     return _per_sample(label_balanced_accuracy, hyps, refs, INDEX_14, uncertain_as_positive)
+
+
+def label_macro_f1(hyp: Sequence[int], ref: Sequence[int], classes: Sequence[int] = INDEX_14) -> float:
+    """Per-sample macro F1: the mean per-class F1 over the classes positive in either report.
+
+    For one pair each such class scores 1 (both positive) or 0 (one positive);
+    classes negative in both have no defined F1 and are left out. 1.0 when no
+    class is positive in either report (nothing to get wrong).
+    """
+    scored = [1.0 if hyp[i] and ref[i] else 0.0 for i in classes if hyp[i] or ref[i]]
+    return sum(scored) / len(scored) if scored else 1.0
+
+
+def label_accuracy(hyp: Sequence[int], ref: Sequence[int], classes: Sequence[int] = INDEX_14) -> float:
+    """Per-sample accuracy: the fraction of ``classes`` whose binary labels agree."""
+    return sum(hyp[i] == ref[i] for i in classes) / len(classes)
+
+
+@register_component("cxb14macro", backend=BACKEND)
+def cxb14macro(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample macro F1 over the 14 CheXpert-style labels (see :func:`label_macro_f1`)."""
+    return _per_sample(label_macro_f1, hyps, refs, INDEX_14, uncertain_as_positive)
+
+
+@register_component("cxb5macro", backend=BACKEND)
+def cxb5macro(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample macro F1 over the 5 CheXpert competition labels."""
+    return _per_sample(label_macro_f1, hyps, refs, INDEX_5, uncertain_as_positive)
+
+
+@register_component("cxb_accuracy", backend=BACKEND)
+def cxb_accuracy(hyps: list[str], refs: list[str], *, uncertain_as_positive: bool = True) -> list[float]:
+    """Per-sample accuracy over the 14 CheXpert-style labels."""
+    return _per_sample(label_accuracy, hyps, refs, INDEX_14, uncertain_as_positive)
