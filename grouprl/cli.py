@@ -4,6 +4,9 @@
     grouprl train config.yaml worker.rollout.n=5   # GRPO-family training
     grouprl sft config.yaml                        # supervised warm start
     grouprl export runs/x/checkpoints/global_step_10 --out merged/
+    grouprl generate --model merged/ --data test.jsonl --out preds.jsonl
+    grouprl eval --data preds.jsonl --out eval/ --clean
+    grouprl serve rewards --port 5000               # EditGRPO-compatible reward server
 
 Under `accelerate launch -m grouprl ...` the same commands run on several processes.
 """
@@ -55,6 +58,66 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _names(values: list[str] | None) -> list[str] | None:
+    """`--components a b` or `--components a,b` -> ["a", "b"]."""
+    if not values:
+        return None
+    return [name for value in values for name in value.split(",") if name.strip()]
+
+
+def cmd_eval(args) -> int:
+    from grouprl.evaluation import EvalDataError, evaluate_file
+
+    try:
+        summary = evaluate_file(args.data, args.out, components=_names(args.components), clean=args.clean,
+                                bootstrap=args.bootstrap, seed=args.seed, corpus=not args.no_corpus,
+                                corpus_bootstrap=args.corpus_bootstrap,
+                                progress=lambda message: print(message, file=sys.stderr))
+    except (EvalDataError, ValueError) as exc:  # bad records, unknown components, bad options
+        print(f"grouprl eval: {exc}", file=sys.stderr)
+        return 2
+    for m in summary["metrics"]:
+        value = "undefined" if m["value"] is None else f"{m['value']:.4f}"
+        ci = f"  [{m['ci_low']:.4f}, {m['ci_high']:.4f}]" if m["ci_low"] is not None else ""
+        print(f"{m['metric']:<40} {value}{ci}  ({m['backend']})")
+    print(f"wrote {args.out}/per_sample.csv, summary.json, summary.csv ({summary['n_samples']} samples)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from grouprl.evaluation import generate_file
+
+    load = {"format": args.format}
+    if args.image_dir:
+        load["image_dir"] = args.image_dir
+    if args.system_prompt is not None:
+        load["system_prompt"] = args.system_prompt
+    n = generate_file(args.model, args.data, args.out, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      seed=args.seed, dtype=args.dtype, device=args.device, max_samples=args.max_samples,
+                      max_prompt_length=args.max_prompt_length, load_kwargs=load,
+                      show_progress=not args.no_progress)
+    print(f"wrote {n} responses to {args.out}")
+    return 0
+
+
+def cmd_serve_rewards(args) -> int:
+    import os
+
+    from grouprl.rewards.server import serve
+
+    token = args.token if args.token is not None else os.environ.get("GROUPRL_REWARD_TOKEN") or None
+    try:
+        serve(args.host, args.port, args.workers, token, default_components=_names(args.components) or
+              ["radgraphf1", "cxb14micro", "ratescore"], max_batch=args.max_batch, max_chars=args.max_chars,
+              max_body_bytes=args.max_body_bytes, default_type=args.default_type,
+              scoring_threads=args.scoring_threads, log_level=args.log_level)
+    except ValueError as exc:  # bad settings, unknown default components
+        print(f"grouprl serve rewards: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training (GRPO family).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +143,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("generate", help="write {id, response, answer} JSON lines from a model and a test set")
+    p.add_argument("--model", required=True, help="model directory (or hub id)")
+    p.add_argument("--data", required=True, help="test set (JSON, JSONL, parquet or a saved HF dataset)")
+    p.add_argument("--out", required=True, help="output .jsonl file (what grouprl eval reads)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:i]")
+    p.add_argument("--max-samples", type=int, help="only the first N samples")
+    p.add_argument("--max-prompt-length", type=int, help="fail on (or truncate) longer prompts")
+    p.add_argument("--format", default="auto", choices=["auto", "easyr1", "llava", "swift"])
+    p.add_argument("--image-dir", help="base directory of relative image paths")
+    p.add_argument("--system-prompt", help="system prompt added to every sample")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("eval", help="score {id, response, answer} records: per-sample CSV, summary with 95%% CIs")
+    p.add_argument("--data", required=True, help="JSON list or JSON lines of {id, response, answer}")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--components", nargs="+",
+                   help="report score components (default: the registered ones of EditGRPO's evaluation columns)")
+    p.add_argument("--clean", action="store_true",
+                   help="EditGRPO's cleaning: cut at 'Indication:', drop special tokens, take \\boxed{}")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the CIs (0: none)")
+    p.add_argument("--corpus-bootstrap", type=int, default=0,
+                   help="bootstrap resamples for the corpus metrics' CIs (each recomputes the metric; default 0)")
+    p.add_argument("--no-corpus", action="store_true", help="skip the corpus-level metrics")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("serve", help="run a server")
+    serve_sub = p.add_subparsers(dest="server", required=True)
+    p = serve_sub.add_parser("rewards", help="the reward server (EditGRPO-compatible POST /predict, /analyze)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $GROUPRL_REWARD_TOKEN)")
+    p.add_argument("--components", nargs="+",
+                   help="components scored when a request names none (default radgraphf1 cxb14micro ratescore)")
+    p.add_argument("--default-type", default="short", choices=["short", "cot", "free_form"],
+                   help="report type of a request without 'type' (EditGRPO's server: short)")
+    p.add_argument("--max-batch", type=int, default=1024, help="most reports per request")
+    p.add_argument("--max-chars", type=int, default=20000, help="longest report, in characters")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body")
+    p.add_argument("--scoring-threads", type=int, default=1, help="threads scoring requests (per worker)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(fn=cmd_serve_rewards)
     return parser
 
 

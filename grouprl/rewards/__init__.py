@@ -31,6 +31,7 @@ from grouprl.rewards.rule_based import (
     normalize_answer,
 )
 from grouprl.rewards import findings  # registers finding_f1 and finding_accuracy
+from grouprl.rewards import radiology  # registers the clinical rewards (editgrpo_composite, kg_consistency, ...)
 
 __all__ = [
     "RewardComponent",

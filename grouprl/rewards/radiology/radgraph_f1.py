@@ -115,3 +115,15 @@ def radgraph_simple_component(hyps: list[str], refs: list[str]) -> list[float]:
                     description="RadGraph-style F1, complete level (entity text + label + relations)")
 def radgraph_complete_component(hyps: list[str], refs: list[str]) -> list[float]:
     return _batch(hyps, refs, "complete")
+
+
+@register_component("radgraph_precision", backend=BACKEND,
+                    description="RadGraph-style precision, partial level (EditGRPO's precision_radgraph_scores)")
+def radgraph_precision_component(hyps: list[str], refs: list[str]) -> list[float]:
+    return [radgraph_scores(h, r)["partial"][0] for h, r in zip(hyps, refs)]
+
+
+@register_component("radgraph_recall", backend=BACKEND,
+                    description="RadGraph-style recall, partial level (EditGRPO's recall_radgraph_scores)")
+def radgraph_recall_component(hyps: list[str], refs: list[str]) -> list[float]:
+    return [radgraph_scores(h, r)["partial"][1] for h, r in zip(hyps, refs)]

@@ -1,0 +1,361 @@
+"""The reward server: EditGRPO's /predict shape, the composite, format failures, bad requests, auth, /analyze."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from grouprl.rewards import server  # noqa: E402
+from grouprl.rewards.radiology.components import COMPONENTS, Component  # noqa: E402
+
+
+def exact(hyps, refs):
+    return [1.0 if h.strip().lower() == r.strip().lower() else 0.0 for h, r in zip(hyps, refs)]
+
+
+def overlap(hyps, refs):
+    out = []
+    for h, r in zip(hyps, refs):
+        a, b = set(re.findall(r"\w+", h.lower())), set(re.findall(r"\w+", r.lower()))
+        out.append(len(a & b) / len(a | b) if a | b else 0.0)
+    return out
+
+
+def boxed_extract(text, type):
+    """Test double of answers.extract_report: EditGRPO's short / cot / free_form format rules."""
+    if type == "free_form":
+        return text
+    if type == "cot" and not re.search(r"<think>.*?</think>.*\\boxed\{", text, re.S):
+        return None
+    m = re.search(r"\\boxed\{(.*)\}", text, re.S)
+    return m.group(1).strip() if m else None
+
+
+CALLS: list[int] = []
+
+
+def counted_exact(hyps, refs):
+    CALLS.append(len(hyps))
+    return exact(hyps, refs)
+
+
+def broken(hyps, refs):
+    raise RuntimeError("labeler exploded")
+
+
+@pytest.fixture
+def components(monkeypatch):
+    server.load_report_components()  # the real modules register first; ours are added on top
+    for name, fn, backend in (("t_exact", exact, "test=exact"), ("t_overlap", overlap, "test=overlap"),
+                              ("t_counted", counted_exact, "test=exact"), ("t_broken", broken, "test=broken")):
+        monkeypatch.setitem(COMPONENTS, name, Component(name, fn, backend))
+    CALLS.clear()
+    return COMPONENTS
+
+
+def make_client(**kwargs):
+    options = dict(default_components=["t_exact", "t_overlap"], extract_report=boxed_extract)
+    options.update(kwargs)
+    return TestClient(server.create_app(**options))
+
+
+@pytest.fixture
+def client(components):
+    return make_client()
+
+
+def post(client, payload, headers=None):
+    return client.post("/predict", content=json.dumps(payload),
+                       headers={"Content-Type": "application/json", **(headers or {})})
+
+
+HYPS = ["No pleural effusion.", "Small left pleural effusion.", "Heart size is normal."]
+REFS = ["No pleural effusion.", "No pleural effusion.", "Cardiomegaly."]
+
+
+def test_predict_success_shape_and_composite(client):
+    r = post(client, {"hyps": HYPS, "refs": REFS, "type": "free_form",
+                      "requested_reward_components": ["t_exact", "t_overlap"], "editgrpo_keys": False})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"result", "data"} and body["result"] == "success"
+    assert set(body["data"]) == {"predictions", "backends", "type", "components"}
+    predictions = body["data"]["predictions"]
+    assert set(predictions) == {"t_exact", "t_overlap", "final_scores", "format_ok", "format_scores"}
+    assert predictions["t_exact"] == [1.0, 0.0, 0.0]
+    assert predictions["t_overlap"] == pytest.approx([1.0, 2 / 5, 0.0])
+    assert predictions["final_scores"] == pytest.approx([2.0, 0.4, 0.0])
+    assert predictions["format_ok"] == [True, True, True]
+    assert body["data"]["backends"] == {"t_exact": "test=exact", "t_overlap": "test=overlap"}
+
+
+def test_default_components_and_one_call_per_batch(components):
+    client = make_client(default_components=["t_counted"])
+    r = post(client, {"hyps": HYPS, "refs": REFS, "type": "free_form", "editgrpo_keys": False})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["data"]["predictions"]) == {"t_counted", "final_scores", "format_ok", "format_scores"}
+    assert CALLS == [3]  # batched: one component call for the whole request
+
+
+def test_format_failures_score_zero_and_are_flagged(client):
+    hyps = ["\\boxed{No pleural effusion.}", "No pleural effusion.",
+            "<think>effusion?</think> \\boxed{No pleural effusion.}", "\\boxed{No pleural effusion.}"]
+    refs = ["No pleural effusion."] * 4
+    short = post(client, {"hyps": hyps, "refs": refs, "type": "short", "editgrpo_keys": False}).json()
+    p = short["data"]["predictions"]
+    assert p["format_ok"] == [True, False, True, True]
+    assert p["t_exact"] == [1.0, 0.0, 1.0, 1.0]  # the boxed report is what gets scored
+    assert p["final_scores"] == [2.0, 0.0, 2.0, 2.0]
+    cot = post(client, {"hyps": hyps, "refs": refs, "type": "cot", "editgrpo_keys": False}).json()
+    p = cot["data"]["predictions"]
+    assert p["format_ok"] == [False, False, True, False]
+    assert p["t_exact"] == [0.0, 0.0, 1.0, 0.0] and p["t_overlap"] == [0.0, 0.0, 1.0, 0.0]
+    assert p["final_scores"] == [0.0, 0.0, 2.0, 0.0]
+    assert p["format_scores"] == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_format_pseudo_component_follows_editgrpo(client):
+    hyps, refs = ["\\boxed{No pleural effusion.}", "nothing boxed"], ["No pleural effusion."] * 2
+    p = post(client, {"hyps": hyps, "refs": refs, "type": "short", "editgrpo_keys": False,
+                      "requested_reward_components": ["t_exact", "format"]}).json()["data"]["predictions"]
+    assert p["format"] == [1.0, 0.0] and p["final_scores"] == [2.0, 0.0]
+    p = post(client, {"hyps": refs, "refs": refs, "type": "free_form", "editgrpo_keys": False,
+                      "requested_reward_components": ["t_exact", "format"]}).json()["data"]["predictions"]
+    assert p["final_scores"] == [1.0, 1.0]  # EditGRPO adds no format score under free_form
+
+
+def test_editgrpo_key_names_carry_mapped_components(client, monkeypatch):
+    monkeypatch.setattr(server, "EDITGRPO_KEYS", {"f1_test_scores": "t_exact", "micro_test": "t_overlap"})
+    r = post(client, {"hyps": HYPS, "refs": REFS, "type": "free_form", "requested_reward_components": ["t_exact"]})
+    p = r.json()["data"]["predictions"]
+    assert p["f1_test_scores"] == p["t_exact"] == [1.0, 0.0, 0.0]
+    assert p["micro_test"] == pytest.approx([1.0, 0.4, 0.0])  # computed for EditGRPO's client...
+    assert "t_overlap" not in p and p["final_scores"] == [1.0, 0.0, 0.0]  # ...but not part of the composite
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"hyps": ["a"], "refs": ', "malformed JSON"),
+    ("not an object", b'["a", "b"]', "expected a JSON object"),
+    ("empty body", b"", "empty request body"),
+    ("invalid UTF-8", b'{"hyps": ["\xff\xfe"], "refs": ["x"]}', "not valid UTF-8"),
+    ("NaN constant", b'{"hyps": ["a"], "refs": ["b"], "x": NaN}', "NaN"),
+    ("missing hyps", {"refs": ["a"]}, "missing 'hyps'"),
+    ("missing refs", {"hyps": ["a"]}, "missing 'refs'"),
+    ("hyps not a list", {"hyps": "a", "refs": ["a"]}, "'hyps' must be a list"),
+    ("unequal lengths", {"hyps": ["a", "b"], "refs": ["a"]}, "must pair up"),
+    ("non-string item", {"hyps": ["a", 3], "refs": ["a", "b"]}, "hyps[1] must be a string"),
+    ("null item", {"hyps": ["a"], "refs": [None]}, "refs[0] must be a string"),
+    ("empty lists", {"hyps": [], "refs": []}, "'hyps' is empty"),
+    ("blank reference", {"hyps": ["a"], "refs": ["   "]}, "refs[0] is empty"),
+    ("bad type", {"hyps": ["a"], "refs": ["a"], "type": "essay"}, "'type' must be one of"),
+    ("components not a list", {"hyps": ["a"], "refs": ["a"], "requested_reward_components": "t_exact"},
+     "must be a list"),
+    ("duplicate components", {"hyps": ["a"], "refs": ["a"], "requested_reward_components": ["t_exact", "t_exact"]},
+     "more than once"),
+    ("too many items", {"hyps": ["a"] * 5, "refs": ["a"] * 5}, "at most 4"),
+    ("too long string", {"hyps": ["a" * 101], "refs": ["a"]}, "hyps[0] has 101 characters"),
+]
+
+
+@pytest.mark.parametrize("name,payload,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_400_and_the_server_keeps_serving(components, name, payload, message):
+    client = make_client(max_batch=4, max_chars=100)
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = client.post("/predict", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["result"] == "error"
+    assert message in r.json()["data"]["message"]
+    assert client.get("/health").json()["status"] == "ok"
+    ok = post(client, {"hyps": ["a"], "refs": ["a"], "type": "free_form"})
+    assert ok.status_code == 200
+
+
+def test_unknown_component_lists_the_known_ones(client):
+    r = post(client, {"hyps": ["a"], "refs": ["a"], "requested_reward_components": ["radgraph_f1_typo"]})
+    assert r.status_code == 400
+    message = r.json()["data"]["message"]
+    assert "radgraph_f1_typo" in message and "t_exact" in message and "t_overlap" in message
+
+
+def test_oversized_body_gets_413(components):
+    client = make_client(max_body_bytes=200)
+    big = json.dumps({"hyps": ["x" * 300], "refs": ["y"]}).encode()
+    r = client.post("/predict", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "limit of 200 bytes" in r.json()["data"]["message"]
+
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        for _ in range(10):
+            yield b" " * 50
+
+    r = client.post("/predict", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert client.get("/health").status_code == 200
+
+
+def test_component_failure_is_500_and_the_server_keeps_serving(client):
+    r = post(client, {"hyps": ["a"], "refs": ["a"], "type": "free_form", "requested_reward_components": ["t_broken"]})
+    assert r.status_code == 500
+    message = r.json()["data"]["message"]
+    assert "t_broken" in message and "labeler exploded" in message and r.json()["result"] == "error"
+    assert client.get("/health").status_code == 200
+    assert post(client, {"hyps": ["a"], "refs": ["a"], "type": "free_form"}).status_code == 200
+
+
+def test_token_auth(components):
+    client = make_client(token="s3cret")
+    payload = {"hyps": ["a"], "refs": ["a"], "type": "free_form"}
+    assert post(client, payload).status_code == 401
+    assert post(client, payload, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = client.post("/predict", json=payload, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200, r.text
+    assert "bearer token" in post(client, payload).json()["data"]["message"]
+    assert client.get("/health").status_code == 200  # health stays open
+    assert client.post("/analyze", json={"generations": ["a"], "ground_truth": ["a"]}).status_code == 401
+
+
+def test_health_and_unknown_route(client):
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and {"t_exact", "t_overlap"} <= set(health["components"])
+    assert health["default_components"] == ["t_exact", "t_overlap"]
+    r = client.get("/nothing")
+    assert r.status_code == 404 and r.json()["result"] == "error"
+    assert client.get("/predict").status_code == 405
+
+
+def test_bad_startup_settings(components):
+    with pytest.raises(ValueError, match="unknown reward component"):
+        server.create_app(default_components=["no_such_component"])
+    with pytest.raises(ValueError, match="max_batch"):
+        server.create_app(default_components=["t_exact"], max_batch=0)
+
+
+# ----------------------------------------------------------------------------- /analyze
+
+
+class FakeMatching:
+    """Test double of ratescore.match_entities' result: words as entities, 'no X' vs 'X' a contradiction."""
+
+    def __init__(self, hyp, ref):
+        self.hyp, self.ref = hyp, ref
+
+    @staticmethod
+    def entities(text):
+        out = []
+        for s, sentence in enumerate(re.split(r"(?<=[.!?])\s+", text.strip())):
+            for word in re.findall(r"[a-z]+", sentence.lower()):
+                if word not in ("no", "is", "the"):
+                    negated = re.search(rf"\bno\s+{word}\b", sentence.lower()) is not None
+                    out.append({"text": word, "head": word, "type": "NON-ABNORMALITY" if negated else "ABNORMALITY",
+                                "sentence": s, "start": 0, "end": 0})
+        return out
+
+    def to_dict(self):
+        g, r = self.entities(self.hyp), self.entities(self.ref)
+        rtexts, gtexts = {e["text"]: e for e in r}, {e["text"]: e for e in g}
+        contradictions = [{"hyp": e, "ref": rtexts[e["text"]], "similarity": 0.9, "relation": "contradiction"}
+                          for e in g if e["text"] in rtexts and e["type"] != rtexts[e["text"]]["type"]]
+        return {"hyp_entities": g, "ref_entities": r, "pairs": [],
+                "false_positives": [e for e in g if e["text"] not in rtexts],
+                "false_negatives": [e for e in r if e["text"] not in gtexts],
+                "contradictions": contradictions}
+
+
+@pytest.fixture
+def fake_matcher(monkeypatch):
+    import grouprl.rewards.radiology.ratescore as ratescore
+
+    monkeypatch.setattr(ratescore, "match_entities", FakeMatching)
+
+
+def test_analyze_shape(client, fake_matcher):
+    r = client.post("/analyze", json={"generations": ["Effusion. Nodule.", ""],
+                                      "ground_truth": ["No effusion. Edema.", "Edema."]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["result"] == "success"
+    results = body["data"]["predictions"]["analysis_results"]
+    assert len(results) == 2
+    first = results[0]
+    assert set(first) == {"generation_entities", "reference_entities", "false_positives", "false_negatives",
+                          "contradictions", "ref_entities_grouped_by_sentence"}
+    assert [e["text"] for e in first["false_positives"]] == ["nodule"]
+    assert [e["text"] for e in first["false_negatives"]] == ["edema"]
+    (c,) = first["contradictions"]
+    assert c["gen_entity"]["text"] == c["ref_entity"]["text"] == "effusion" and c["similarity"] == 0.9
+    assert c["gen_entity"]["sentence"] == "Effusion." and c["ref_entity"]["sentence"] == "No effusion."
+    assert first["reference_entities"][1] == {"text": "edema", "text_span": "edema", "head": "edema",
+                                              "type": "ABNORMALITY", "sentence_index": 1, "sentence": "Edema.",
+                                              "start": 0, "end": 0}
+    assert set(first["ref_entities_grouped_by_sentence"]) == {"No effusion.", "Edema."}
+    assert results[1]["generation_entities"] == [] and [e["text"] for e in results[1]["false_negatives"]] == ["edema"]
+
+
+def test_analyze_bad_requests(client, fake_matcher):
+    r = client.post("/analyze", json={"generations": ["a", "b"], "ground_truth": ["a"]})
+    assert r.status_code == 400 and "pair up" in r.json()["data"]["message"]
+    r = client.post("/analyze", json={"generations": ["a"]})
+    assert r.status_code == 400 and "ground_truth" in r.json()["data"]["message"]
+    r = client.post("/analyze", json={"generations": ["a"], "ground_truth": "Edema."})  # EditGRPO allows one string
+    assert r.status_code == 200
+
+
+# ----------------------------------------------------------------------------- the real components
+
+EDITGRPO = ["radgraphf1", "cxb14micro", "ratescore"]
+
+
+def _missing_real(names):
+    registry = server.load_report_components()
+    return [n for n in names if n not in registry]
+
+
+@pytest.mark.skipif(bool(_missing_real(EDITGRPO)), reason="the real radgraphf1/cxb14micro/ratescore components "
+                    "are not registered yet")
+def test_real_editgrpo_composite():
+    pytest.importorskip("grouprl.rewards.radiology.answers")
+    client = TestClient(server.create_app())
+    ref = "Mild cardiomegaly. No pleural effusion or pneumothorax."
+    hyps = [ref, "\\boxed{" + ref + "}", "Large right pleural effusion. Pneumothorax."]
+    r = client.post("/predict", json={"hyps": hyps, "refs": [ref] * 3, "type": "free_form"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    p = data["predictions"]
+    assert set(EDITGRPO) <= set(p) and set(EDITGRPO) <= set(data["backends"])
+    assert p["final_scores"][0] == pytest.approx(sum(p[c][0] for c in EDITGRPO))
+    assert p["final_scores"][0] == pytest.approx(3.0, abs=1e-6)
+    assert p["final_scores"][2] < p["final_scores"][0]
+    # EditGRPO's own client reads these names
+    assert p["f1_radgraph_scores"] == p["radgraphf1"] and p["rate_scores"] == p["ratescore"]
+    short = client.post("/predict", json={"hyps": hyps, "refs": [ref] * 3, "type": "short"}).json()
+    assert short["data"]["predictions"]["format_ok"] == [False, True, False]
+    assert short["data"]["predictions"]["final_scores"][1] == pytest.approx(3.0, abs=1e-6)
+
+
+def _has_real_matcher():
+    try:
+        from grouprl.rewards.radiology.ratescore import match_entities  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_real_matcher(), reason="ratescore.match_entities is not available")
+def test_real_analyze(components):
+    client = make_client()  # the real matcher: no analyze= given
+    r = client.post("/analyze", json={"generations": ["Large left pleural effusion. Heart size is normal."],
+                                      "ground_truth": ["No pleural effusion. Mild cardiomegaly."]})
+    assert r.status_code == 200, r.text
+    (result,) = r.json()["data"]["predictions"]["analysis_results"]
+    assert result["generation_entities"] and result["reference_entities"]
+    for e in result["generation_entities"] + result["reference_entities"]:
+        assert e["text"] and e["type"] and isinstance(e["sentence_index"], int) and e["sentence"]
+    (c,) = result["contradictions"]  # effusion present vs absent
+    assert "effusion" in c["gen_entity"]["text"] and "effusion" in c["ref_entity"]["text"]
+    assert c["gen_entity"]["sentence"] == "Large left pleural effusion."
+    assert any("cardiomegaly" in e["text"] for e in result["false_negatives"])
+    assert "No pleural effusion." in result["ref_entities_grouped_by_sentence"]
