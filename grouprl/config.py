@@ -159,6 +159,15 @@ class RewardConfig:
     # EasyR1's single-function form, `path/to/file.py:function`.
     reward_function: str | None = None
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    # EditGRPO's reward server (`grouprl serve rewards`): POST {hyps, refs, type, components}.
+    reward_server: str | None = None
+    reward_server_weight: float = 1.0
+    reward_components: list[str] = field(default_factory=lambda: ["radgraphf1", "cxb14micro", "ratescore"])
+    type: str = field(default="free_form", metadata=_choices("short", "cot", "free_form"))
+    server_batch_size: int = 64
+    server_max_concurrency: int = 4
+    server_timeout: float = 60.0
+    server_retries: int = 3
 
 
 @dataclass

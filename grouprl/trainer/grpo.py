@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -42,16 +43,29 @@ def load_datasets(config: Config):
 
 
 def build_rewards(config: Config):
-    from grouprl.rewards import RewardSet, RewardSpec
+    from grouprl.rewards import RewardComponent, RewardSet, RewardSpec
 
     r = config.worker.reward
     if r.reward_function:
         specs = [RewardSpec(name=r.reward_function, weight=1.0, kwargs=dict(r.reward_function_kwargs))]
     else:
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs)) for f in r.functions]
-    if not specs:
-        raise ConfigError("no reward: set 'worker.reward.functions' (or 'worker.reward.reward_function')")
-    return RewardSet.from_specs(specs)
+    rewards = RewardSet.from_specs(specs) if specs else None
+    if r.reward_server:
+        from grouprl.rewards.client import RewardServerClient
+
+        client = RewardServerClient(
+            r.reward_server, components=list(r.reward_components), type=r.type, batch_size=r.server_batch_size,
+            max_concurrency=r.server_max_concurrency, timeout=r.server_timeout, retries=r.server_retries,
+            token=os.environ.get("GROUPRL_REWARD_TOKEN"))
+        # the server's composite is one more weighted component beside any in-process rewards
+        components = list(rewards.components) if rewards is not None else []
+        components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
+        rewards = RewardSet(components)
+    if rewards is None:
+        raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
+                          "or 'worker.reward.reward_server'")
+    return rewards
 
 
 def reward_columns(batch: RolloutBatch) -> dict[str, list]:
