@@ -7,8 +7,11 @@
    generator's vocabulary, and saved like any Hugging Face model.
 3. SFT warm start on the reference reports (`grouprl sft`).
 4. GRPO from the SFT model with a finding-level reward (`grouprl train`).
-5. Both models are evaluated on held-out studies; a before/after table, a
-   reward-curve PNG and summary.json are written to the run directory.
+   The reward is EditGRPO's clinical composite (RadGraph-style F1 + CheXpert-label
+   micro F1 + RaTEScore-style score, each rule-based and offline).
+5. Both models are evaluated on held-out studies; a before/after table of the
+   reward, the clinical metrics and the finding-level F1, a reward-curve PNG
+   and summary.json are written to the run directory.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from grouprl.config import config_from_dict, write_text_atomic
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
 QUICK = dict(train=96, val=16, sft_epochs=1, grpo_steps=3, n=4, prompts_per_step=8)
-REWARD = "finding_f1"
+REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
 
 
 def _model_config(model_path: str) -> dict:
@@ -67,9 +70,11 @@ def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tu
 
 @torch.no_grad()
 def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size: int = 48) -> dict:
-    """Greedy reports for held-out studies, scored with the demo reward and finding-level F1."""
-    from grouprl.rewards import RewardSet, RewardSpec
+    """Greedy reports for held-out studies: the training reward, clinical metrics and finding-level F1."""
     from grouprl.rewards.findings import corpus_finding_scores
+    from grouprl.rewards.radiology import chexpert_f1_reports, radgraph_corpus_f1, score_components
+    from grouprl.rewards.radiology.components import get_component
+    from grouprl.rewards.radiology.rewards import EDITGRPO_COMPONENTS
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.hf_engine import HFGenerationEngine
 
@@ -79,16 +84,23 @@ def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size:
     for start in range(0, len(samples), batch_size):
         reports.extend(engine.generate(samples[start:start + batch_size], params).responses)
     refs = [s.answer for s in samples]
-    rewards = RewardSet.from_specs([RewardSpec(name=REWARD)]).score(
-        [s.prompt_text() for s in samples], reports, {"answer": refs})
-    scores = corpus_finding_scores(reports, refs)
+    components = score_components(reports, refs, EDITGRPO_COMPONENTS)
+    rewards = [sum(values) for values in zip(*components.values())]
+    findings = corpus_finding_scores(reports, refs)
+    chexpert = chexpert_f1_reports(reports, refs)
+    radgraph = radgraph_corpus_f1(reports, refs)
     return {
-        "mean_reward": sum(rewards.total) / len(rewards.total),
-        "finding_f1_micro": scores["micro_f1"],
-        "finding_f1_macro": scores["macro_f1"],
-        "finding_f1_per_sample": scores["sample_f1"],
-        "finding_accuracy": scores["accuracy"],
-        "labeler": scores["backend"],
+        "mean_reward": sum(rewards) / len(rewards),
+        **{f"mean_{name}": sum(v) / len(v) for name, v in components.items()},
+        "chexpert_micro_f1_14": chexpert["micro_f1_14"],
+        "chexpert_macro_f1_14": chexpert["macro_f1_14"],
+        "radgraph_f1_partial": radgraph["partial"],
+        "finding_f1_micro": findings["micro_f1"],
+        "finding_f1_macro": findings["macro_f1"],
+        "finding_f1_per_sample": findings["sample_f1"],
+        "finding_accuracy": findings["accuracy"],
+        "backends": {name: get_component(name).backend for name in EDITGRPO_COMPONENTS}
+        | {"findings": findings["backend"], "chexpert_f1": chexpert["backend"]},
         "mean_words": sum(len(r.split()) for r in reports) / len(reports),
         "examples": [{"reference": r, "generated": g} for r, g in list(zip(refs, reports))[:3]],
     }
@@ -114,7 +126,7 @@ def plot_rewards(metrics_file: Path, png: Path) -> None:
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
     ax.legend(loc="lower right")
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel(f"mean training reward ({REWARD})")
+    ax.set_ylabel(f"mean training reward\n({REWARD})")
     ax.set_title("grouprl demo: GRPO on synthetic chest X-rays")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -165,13 +177,17 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     before = evaluate(sft_model, processor, samples)
     after = evaluate(trainer.policy, trainer.processor, samples)
 
-    table = Table(title=f"held-out synthetic studies (n={len(samples)})")
+    table = Table(title=f"held-out synthetic studies (n={len(samples)})",
+                  caption="reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
+                          "F1 = finding-level F1 against the generator's labels")
+    columns = [("reward", "mean_reward"), ("RadGraph", "mean_radgraphf1"), ("CheXpert", "mean_cxb14micro"),
+               ("RaTE", "mean_ratescore"), ("F1 micro", "finding_f1_micro"), ("F1 macro", "finding_f1_macro"),
+               ("words", "mean_words")]
     table.add_column("model")
-    for col in ("mean reward", "finding F1 (micro)", "finding F1 (macro)", "per-sample F1", "words"):
-        table.add_column(col, justify="right")
+    for title, _ in columns:
+        table.add_column(title, justify="right")
     for name, r in (("SFT", before), ("SFT+GRPO", after)):
-        table.add_row(name, f"{r['mean_reward']:.3f}", f"{r['finding_f1_micro']:.3f}", f"{r['finding_f1_macro']:.3f}",
-                      f"{r['finding_f1_per_sample']:.3f}", f"{r['mean_words']:.1f}")
+        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in columns))
     console.print(table)
 
     png = out / "reward_curve.png"
@@ -183,6 +199,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
         "seed": seed,
         "sft": before,
         "sft_grpo": after,
+        "reward_gain": after["mean_reward"] - before["mean_reward"],
         "finding_f1_micro_gain": after["finding_f1_micro"] - before["finding_f1_micro"],
         "grpo_improved_finding_f1": after["finding_f1_micro"] > before["finding_f1_micro"],
         "wall_seconds": time.perf_counter() - t_start,
