@@ -194,6 +194,8 @@ class TrainerConfig:
     save_checkpoint_path: str | None = None  # default: <output_dir>/checkpoints
     resume: str | None = None  # "auto" = the last checkpoint in save_checkpoint_path, or a path
     log_rollouts: bool = True
+    # CheXPO-style completions.jsonl: per-token log-probs (from the sampler) and tokens of every response
+    log_completions: bool = False
     seed: int = 1
     device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
 

@@ -241,3 +241,17 @@ def test_vlm_checkpoint_weights_round_trip(vlm_setup, tmp_path):
     load_model_weights(fresh, path)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_completions_log_has_tokens_and_sampler_log_probs(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1, "trainer.log_completions": True})
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16
+    tokenizer = trainer.processor
+    for row in rows:
+        assert len(row["tokens"]) == len(row["token_ids"]) == len(row["log_probs"]) > 0
+        assert all(lp <= 0 for lp in row["log_probs"])
+        assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == row["completion"]
+        assert set(row["rewards"]) == {"accuracy", "length"}

@@ -161,6 +161,7 @@ class GRPOTrainer:
             top_k=None if validation or r.top_k <= 0 else r.top_k,
             max_new_tokens=self.config.data.max_response_length,
             seed=seed,
+            return_log_probs=self.config.trainer.log_completions and not validation,
         )
 
     def _score(self, batch: RolloutBatch) -> None:
@@ -240,6 +241,7 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, algo, actor = self.config, self.config.algorithm, self.config.worker.actor
         t0 = time.perf_counter()
+        self._last_batch = None
         batch, metrics = self.rollout(step)
         t_rollout = time.perf_counter() - t0
         if batch is None:  # every group had zero reward spread, even after the extra rounds
@@ -410,6 +412,28 @@ class GRPOTrainer:
         values = self.accelerator.reduce(values, reduction="mean")
         return dict(zip(keys, values.tolist()))
 
+    def completion_records(self, batch: RolloutBatch) -> list[dict]:
+        """CheXPO's completions log: each response's tokens with the sampler's per-token log-probs."""
+        from grouprl.models.prompts import tokenizer_of
+
+        tokenizer = tokenizer_of(self.processor)
+        records = []
+        for i, sample in enumerate(batch.samples):
+            length = int(batch.response_mask[i].sum())
+            ids = batch.response_ids[i, :length].tolist()
+            logps = batch.rollout_log_probs[i, :length].tolist() if batch.rollout_log_probs is not None else None
+            records.append({
+                "id": sample.id,
+                "prompt": sample.prompt_text(),
+                "completion": batch.responses[i],
+                "tokens": tokenizer.convert_ids_to_tokens(ids),
+                "token_ids": ids,
+                # None for rows a rollout transform rewrote: the sampler never produced those tokens
+                "log_probs": logps,
+                "rewards": {k: v[i] for k, v in batch.reward_components.items()},
+            })
+        return records
+
     # ------------------------------------------------------------------ validation
 
     @torch.no_grad()
@@ -470,6 +494,7 @@ class GRPOTrainer:
                                     project=t.project_name, experiment=t.experiment_name, enabled=self.is_main,
                                     initial_step=self.state.global_step)
         rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=self.is_main and t.log_rollouts)
+        completions = RolloutWriter(self.run_dir / "completions.jsonl", enabled=self.is_main and t.log_completions)
         last: dict[str, float] = {}
         try:
             if t.val_before_train and self.state.global_step == 0:
@@ -481,8 +506,11 @@ class GRPOTrainer:
                 self.state.epoch = self.stream.epoch
                 self.logger.log(step, metrics)
                 last = metrics
-                if getattr(self, "_last_batch", None) is not None and rollouts.enabled:
-                    rollouts.write(step, self.rollout_records(self._last_batch))
+                if getattr(self, "_last_batch", None) is not None:
+                    if rollouts.enabled:
+                        rollouts.write(step, self.rollout_records(self._last_batch))
+                    if completions.enabled:
+                        completions.write(step, self.completion_records(self._last_batch))
                 if t.val_freq > 0 and step % t.val_freq == 0:
                     self.logger.log(step, self._mean_over_processes(self.validate(step)), prefix="val/")
                 if t.save_freq > 0 and step % t.save_freq == 0:
@@ -491,5 +519,6 @@ class GRPOTrainer:
                 self.save()
         finally:
             rollouts.close()
+            completions.close()
             self.logger.close()
         return last
