@@ -390,3 +390,16 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / len(values)
     return float(mean), float(math.sqrt(var))
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: TRL passes a string, or for conversational data a list of
+    messages whose last one is the reply (its content a string or a list of text parts)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content", "")
+        if isinstance(content, list):
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return str(content)
+    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from grouprl.rewards.contract import completion_text
 from grouprl.rewards.registry import register_reward
 
 BACKEND = "grouprl.rewards.findings rule-based labeler"
@@ -384,23 +385,11 @@ def finding_accuracy(pred: dict[str, int | None], ref: dict[str, int | None]) ->
     return sum((name in p) == (name in r) for name in FINDING_NAMES) / len(FINDING_NAMES)
 
 
-def _text(completion: Any) -> str:
-    """A completion's text: a string, or a chat message list (its last message's content)."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content", "")
-        if isinstance(content, list):
-            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        return str(content)
-    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
-
-
 def _score_rows(score, completions: Sequence[Any], answer: Sequence[Any] | None) -> list[float | None]:
     if answer is None:
         return [None] * len(completions)
     return [
-        None if ref is None else score(extract_findings(_text(c)), extract_findings(_text(ref)))
+        None if ref is None else score(extract_findings(completion_text(c)), extract_findings(completion_text(ref)))
         for c, ref in zip(completions, answer)
     ]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from grouprl.rewards.radiology.components import register_component
 from grouprl.rewards.radiology.entities import ANAT_DP, OBS_DA, OBS_U, Entity, ReportGraph, graph_of
+from grouprl.rewards.contract import completion_text
 from grouprl.rewards.registry import register_reward
 
 BACKEND = "kg=rules"
@@ -102,18 +103,6 @@ def reasoning_span(text: str) -> str:
     return m.group(1).strip() if m else text
 
 
-def _completion_text(completion: Any) -> str:
-    # TRL passes a string, or for conversational data a list of messages.
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content", "")
-        if isinstance(content, list):
-            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        return str(content)
-    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
-
-
 @register_reward("kg_consistency")
 def kg_consistency_reward(
     prompts: Sequence[Any],
@@ -135,6 +124,6 @@ def kg_consistency_reward(
         if ref is None:
             out.append(None)
             continue
-        hyp_text = reasoning_span(_completion_text(completion))
-        out.append(kg_consistency(hyp_text, reasoning_span(_completion_text(ref))))
+        hyp_text = reasoning_span(completion_text(completion))
+        out.append(kg_consistency(hyp_text, reasoning_span(completion_text(ref))))
     return out

@@ -16,16 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from grouprl.rewards.radiology.components import get_component, score_components
+from grouprl.rewards.contract import completion_text
 from grouprl.rewards.registry import register_reward
 
 EDITGRPO_COMPONENTS = ("radgraphf1", "cxb14micro", "ratescore")
-
-
-def _completion_text(completion: Any) -> str:
-    # TRL passes conversational completions as [{"role": "assistant", "content": ...}]
-    if isinstance(completion, list):
-        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
-    return str(completion)
 
 
 def score_reports(completions: Sequence[Any], answer: Sequence[str | None] | None, components: Sequence[str],
@@ -41,7 +35,7 @@ def score_reports(completions: Sequence[Any], answer: Sequence[str | None] | Non
     for i, (completion, ref) in enumerate(zip(completions, answer)):
         if ref is None:
             continue
-        report = extract_report(_completion_text(completion), response_type)
+        report = extract_report(completion_text(completion), response_type)
         rows.append((i, report is not None))
         hyps.append(report or "")
         refs.append(str(ref))
