@@ -83,6 +83,7 @@ class AlgorithmConfig:
     max_filter_rounds: int = 3
     overlong_buffer: OverlongConfig = field(default_factory=OverlongConfig)
     mask_truncated_completions: bool = False
+    force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
 
 
 @dataclass
@@ -139,6 +140,13 @@ class RolloutConfig:
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1
     micro_batch_size: int | None = None  # responses per generate call; None = the whole batch at once
+    # EditGRPO post-rollout edits (option names as in the seed)
+    extractor: bool = False
+    extractor_num_ops_per_para: int = 1
+    extractor_num_para: int = -1  # -1: floor(n/2) edited copies per group; k > 0: k responses of the batch
+    extractor_similarity_threshold: float = 0.6  # tau
+    extractor_type: str = "rules"
+    extractor_edited_tokens: str = field(default="train", metadata=_choices("train", "mask"))
 
 
 @dataclass

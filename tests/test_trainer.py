@@ -255,3 +255,26 @@ def test_completions_log_has_tokens_and_sampler_log_probs(text_setup, tmp_path):
         assert all(lp <= 0 for lp in row["log_probs"])
         assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == row["completion"]
         assert set(row["rewards"]) == {"accuracy", "length"}
+
+
+def test_editgrpo_edits_in_training(vlm_setup, tmp_path):
+    cfg = {
+        "data": {"train_files": [str(vlm_setup["data"])], "max_response_length": 10, "rollout_batch_size": 2},
+        "algorithm": {"force_gt_num": 1, "norm_adv_by_std_in_grpo": False,
+                      "loss_agg_mode": "seq-mean-token-sum-norm"},
+        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"])}, "global_batch_size": 2},
+                   "rollout": {"n": 4, "extractor": True, "extractor_num_para": -1},
+                   "reward": {"functions": [{"name": "editgrpo_composite"}]}},
+        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "logger": ["jsonl"], "device": "cpu",
+                    "log_completions": True},
+    }
+    GRPOTrainer(config_from_dict(cfg)).train()
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["edits/force_gt"] == 1  # force_gt_num=1: one prompt of the step gets its reference
+    assert metrics["edits/edit_rate"] > 0
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    forced = [r for r in rollouts if r["edit_operations"] and r["edit_operations"][0]["type"] == "force_gt"]
+    assert forced and all(r["response"] == r["reference"] for r in forced)
+    assert all(r["edited"] for r in forced)
+    completions = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert all((c["log_probs"] is None) == r["edited"] for c, r in zip(completions, rollouts))

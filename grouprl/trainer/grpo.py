@@ -141,6 +141,19 @@ class GRPOTrainer:
         self.policy = self.accelerator.unwrap_model(self.model)
         self.engine = HFGenerationEngine(self.policy, self.processor, max_prompt_length=config.data.max_prompt_length,
                                          micro_batch_size=config.worker.rollout.micro_batch_size)
+        roll = config.worker.rollout
+        if roll.extractor or config.algorithm.force_gt_num > 0:
+            from grouprl.rollout.edits import EditTransform
+            from grouprl.trainer.sft import end_of_turn_id
+
+            # EditGRPO: edited copies join their group after generation and before rewards,
+            # so their old log-probs come from the actor like any other row's
+            self.rollout_transforms.append(EditTransform(
+                self.processor, eos_token_id=end_of_turn_id(getattr(self.processor, "tokenizer", self.processor)),
+                pad_token_id=self.engine.pad_token_id, num_ops_per_para=roll.extractor_num_ops_per_para,
+                num_para=roll.extractor_num_para if roll.extractor else 0, tau=roll.extractor_similarity_threshold,
+                force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
+                edited_tokens=roll.extractor_edited_tokens))
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
@@ -193,13 +206,20 @@ class GRPOTrainer:
             prompts = self.stream.next_batch()
             # each extra round draws new prompts; a new seed keeps its samples independent too
             batch = self.engine.generate(prompts, replace(params, seed=params.seed + 7919 * rounds))
+            transform_metrics: dict[str, float] = {}
             for transform in self.rollout_transforms:
                 batch = transform(batch)
+                transform_metrics.update(getattr(transform, "last_metrics", {}))
             self._score(batch)
             if rounds == 0:
                 metrics = self._reward_metrics  # what the policy produced, before any filtering
                 metrics["frac_reward_zero_std"] = float(
                     (algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0).float().mean())
+                metrics.update(transform_metrics)
+                if self.rollout_transforms:
+                    # NaN (not a missing key) when a side is empty: every process logs the same keys
+                    for name, rows in (("edited", batch.edited), ("unedited", ~batch.edited)):
+                        metrics[f"edits/reward_{name}_mean"] = float(batch.scores[rows].mean()) if rows.any() else math.nan
             if not algo.online_filtering:
                 return batch, metrics
             keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
@@ -421,7 +441,8 @@ class GRPOTrainer:
         for i, sample in enumerate(batch.samples):
             length = int(batch.response_mask[i].sum())
             ids = batch.response_ids[i, :length].tolist()
-            logps = batch.rollout_log_probs[i, :length].tolist() if batch.rollout_log_probs is not None else None
+            sampled = batch.rollout_log_probs is not None and not bool(batch.edited[i])
+            logps = batch.rollout_log_probs[i, :length].tolist() if sampled else None
             records.append({
                 "id": sample.id,
                 "prompt": sample.prompt_text(),
