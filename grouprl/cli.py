@@ -7,6 +7,7 @@
     grouprl generate --model merged/ --data test.jsonl --out preds.jsonl
     grouprl eval --data preds.jsonl --out eval/ --clean
     grouprl serve rewards --port 5000               # EditGRPO-compatible reward server
+    grouprl sample --data vqa.jsonl --predictions preds.jsonl --strategy hard --n 1000 --out hard.jsonl
 
 Under `accelerate launch -m grouprl ...` the same commands run on several processes.
 """
@@ -14,6 +15,7 @@ Under `accelerate launch -m grouprl ...` the same commands run on several proces
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -54,7 +56,7 @@ def cmd_export(args) -> int:
 def cmd_demo(args) -> int:
     from grouprl.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed)
+    run_demo(args.out, quick=args.quick, seed=args.seed, compare=args.compare)
     return 0
 
 
@@ -118,6 +120,44 @@ def cmd_serve_rewards(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    from grouprl.data.sampling import (SamplingError, candidate_indices, group_by_type, read_records,
+                                       stratified_sample, write_records)
+
+    try:
+        if args.out and os.path.abspath(args.out) == os.path.abspath(args.data):
+            raise SamplingError(f"--out {args.out} is the input file; write the sample to a new file")
+        records, layout = read_records(args.data)
+        predictions = read_records(args.predictions)[0] if args.predictions else None
+        pool = candidate_indices(records, strategy=args.strategy, predictions=predictions,
+                                 threshold=args.threshold, answer_key=args.answer_key, id_key=args.id_key)
+        kept = [records[i] for i in pool]
+        if not kept:
+            raise SamplingError(f"the predictions get all {len(records)} items right (answer-set F1 >= "
+                                f"{args.threshold}); there are no hard items to keep")
+        if args.n is not None and args.n > len(kept):
+            what = "items the model gets wrong" if args.strategy == "hard" else "items"
+            raise SamplingError(f"asked for --n {args.n} but only {len(kept)} {what} are available"
+                                + (f" (of {len(records)})" if args.strategy == "hard" else ""))
+        chosen = stratified_sample(kept, n=args.n, seed=args.seed, type_key=args.question_type_key or None)
+        sample = [kept[i] for i in chosen]
+        write_records(args.out, sample, layout)
+    except SamplingError as exc:
+        print(f"grouprl sample: {exc}", file=sys.stderr)
+        return 2
+    if args.strategy == "hard":
+        print(f"hard: the predictions get {len(kept)} of {len(records)} items wrong "
+              f"(answer-set F1 < {args.threshold})")
+    strata = ""
+    if args.question_type_key:
+        counts = {t: len(idx) for t, idx in group_by_type(sample, args.question_type_key).items()}
+        strata = "; by {}: {}".format(args.question_type_key, ", ".join(
+            f"{'(none)' if t is None else t} {c}"
+            for t, c in sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))))
+    print(f"wrote {len(sample)} items to {args.out} ({'JSON list' if layout == 'json' else 'JSON lines'}){strata}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training (GRPO family).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="SFT then GRPO on synthetic chest X-rays with a tiny Qwen2.5-VL, on CPU")
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
+    p.add_argument("--compare", action="store_true",
+                   help="train SFT+GRPO, SFT+Dr.GRPO and SFT+EditGRPO from the same SFT model and compare them")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
 
@@ -176,6 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-corpus", action="store_true", help="skip the corpus-level metrics")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("sample", help="choose training items: CheXPO hard-sample mining or uniform, "
+                                      "stratified by question type")
+    p.add_argument("--data", required=True, help="items to choose from (JSON list or JSON lines)")
+    p.add_argument("--out", required=True, help="output file, written in the input's layout")
+    p.add_argument("--strategy", required=True, choices=["hard", "uniform"],
+                   help="hard: the items the --predictions get wrong; uniform: all items")
+    p.add_argument("--predictions", help="{id, response} JSON lines of the model to mine (what grouprl generate "
+                                         "writes); needed by --strategy hard")
+    p.add_argument("--n", type=int, help="how many items to write (default: every kept item)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--question-type-key", default="question_type",
+                   help="field to stratify by; several joined by commas stratify by their combination; "
+                        "'' samples without strata (default question_type)")
+    p.add_argument("--threshold", type=float, default=1.0,
+                   help="an item is wrong when the answer-set F1 of its prediction is below this (default 1.0: "
+                        "anything not exactly right)")
+    p.add_argument("--answer-key", default="answer",
+                   help="field of the reference answer (default answer; LLaVA and ms-swift records without it "
+                        "use their final assistant turn)")
+    p.add_argument("--id-key", default="id", help="field matching items to predictions' 'id' (default id)")
+    p.set_defaults(fn=cmd_sample)
 
     p = sub.add_parser("serve", help="run a server")
     serve_sub = p.add_subparsers(dest="server", required=True)

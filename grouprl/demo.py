@@ -106,29 +106,49 @@ def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size:
     }
 
 
-def plot_rewards(metrics_file: Path, png: Path) -> None:
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+_DR_GRPO = {"algorithm": {"norm_adv_by_std_in_grpo": False, "loss_agg_mode": "seq-mean-token-sum-norm"}}
+# `grouprl demo --compare`: the seeds' comparison (EditGRPO's table), same SFT start, seed and budget
+VARIANTS = {
+    "grpo": ("SFT+GRPO", {}),
+    "drgrpo": ("SFT+Dr.GRPO", _DR_GRPO),
+    "editgrpo": ("SFT+EditGRPO", _merge(_DR_GRPO, {"worker": {"rollout": {
+        "extractor": True, "extractor_num_para": -1, "extractor_num_ops_per_para": 1,
+        "extractor_similarity_threshold": 0.6}}})),
+}
+
+
+def plot_rewards(curves: dict[str, Path], png: Path) -> None:
+    """Mean training reward per GRPO step (faint) and its moving average, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, means = [], []
-    for line in metrics_file.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("reward/mean") is not None:
-            steps.append(row["step"])
-            means.append(row["reward/mean"])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, means, marker="o", markersize=2, alpha=0.35, label="per step")
-    window = max(1, len(means) // 12)
-    if window > 1:
-        smooth = [sum(means[max(0, i - window + 1):i + 1]) / len(means[max(0, i - window + 1):i + 1]) for i in range(len(means))]
-        ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
-    ax.legend(loc="lower right")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for label, metrics_file in curves.items():
+        steps, means = [], []
+        for line in metrics_file.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("reward/mean") is not None:
+                steps.append(row["step"])
+                means.append(row["reward/mean"])
+        window = max(1, len(means) // 12)
+        smooth = [sum(means[max(0, i - window + 1):i + 1]) / len(means[max(0, i - window + 1):i + 1])
+                  for i in range(len(means))]
+        (line,) = ax.plot(steps, smooth, linewidth=2, label=f"{label} (mean of last {window})")
+        ax.plot(steps, means, marker="o", markersize=2, alpha=0.25, color=line.get_color())
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"mean training reward\n({REWARD})")
     ax.set_title("grouprl demo: GRPO on synthetic chest X-rays")
     ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     tmp = png.with_name(f".{png.name}.tmp.png")
     fig.savefig(tmp, dpi=120)
@@ -136,7 +156,8 @@ def plot_rewards(metrics_file: Path, png: Path) -> None:
     tmp.replace(png)
 
 
-def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 0) -> dict:
+def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
+    """The demo; with ``compare`` it trains GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
     from rich.console import Console
     from rich.table import Table
 
@@ -153,6 +174,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     t_start = time.perf_counter()
+    variants = list(VARIANTS) if compare else ["grpo"]
+    steps = 2 + len(variants)
 
     console.rule("[bold]grouprl demo: synthetic chest X-ray reports")
     data = {
@@ -163,20 +186,25 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     console.print(f"data and tiny Qwen2.5-VL written under {out}")
 
     sft_cfg, grpo_cfg = demo_configs(out, data, sizes, seed)
-    console.rule("[bold]1/3 SFT warm start")
+    console.rule(f"[bold]1/{steps} SFT warm start")
     run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
 
-    console.rule("[bold]2/3 GRPO")
-    trainer = GRPOTrainer(config_from_dict(grpo_cfg))
-    trainer.train()
-
-    console.rule("[bold]3/3 held-out evaluation")
     val = load_samples([str(data["val"])], format="llava")
     samples = [val[i] for i in range(len(val))]
     sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
-    before = evaluate(sft_model, processor, samples)
-    after = evaluate(trainer.policy, trainer.processor, samples)
+    results = {"SFT": evaluate(sft_model, processor, samples)}
+    curves = {}
+    for i, key in enumerate(variants):
+        label, overrides = VARIANTS[key]
+        console.rule(f"[bold]{i + 2}/{steps} {label}")
+        cfg = _merge(grpo_cfg, overrides)
+        cfg["trainer"] = {**cfg["trainer"], "output_dir": str(out / key), "experiment_name": f"demo-{key}"}
+        trainer = GRPOTrainer(config_from_dict(cfg))
+        trainer.train()
+        results[label] = evaluate(trainer.policy, trainer.processor, samples)
+        curves[label] = out / key / "metrics.jsonl"
 
+    console.rule(f"[bold]{steps}/{steps} held-out evaluation")
     table = Table(title=f"held-out synthetic studies (n={len(samples)})",
                   caption="reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
                           "F1 = finding-level F1 against the generator's labels")
@@ -186,17 +214,19 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     table.add_column("model")
     for title, _ in columns:
         table.add_column(title, justify="right")
-    for name, r in (("SFT", before), ("SFT+GRPO", after)):
+    for name, r in results.items():
         table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in columns))
     console.print(table)
 
-    png = out / "reward_curve.png"
-    plot_rewards(out / "grpo" / "metrics.jsonl", png)
+    png = out / ("compare_rewards.png" if compare else "reward_curve.png")
+    plot_rewards(curves, png)
+    before, after = results["SFT"], results["SFT+GRPO"]
     summary = {
         "reward": REWARD,
         "held_out_studies": len(samples),
         "sizes": sizes,
         "seed": seed,
+        "models": results,
         "sft": before,
         "sft_grpo": after,
         "reward_gain": after["mean_reward"] - before["mean_reward"],

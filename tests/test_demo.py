@@ -21,3 +21,15 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert "SFT+GRPO" in printed and "summary.json" in printed
     # the demo data went through the real loader in LLaVA format, with images on disk
     assert (out / "data" / "train" / "data.json").exists() and list((out / "data" / "train" / "images").glob("*.png"))
+
+
+def test_quick_compare_trains_three_variants_from_one_sft(tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["demo", "--quick", "--compare", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Dr.GRPO", "SFT+EditGRPO"]
+    assert (out / "compare_rewards.png").read_bytes()[:4] == b"\x89PNG"
+    edit_metrics = [json.loads(x) for x in (out / "editgrpo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("edits/edit_rate" in m for m in edit_metrics)
+    drgrpo = (out / "drgrpo" / "config.yaml").read_text()
+    assert "seq-mean-token-sum-norm" in drgrpo and "norm_adv_by_std_in_grpo: false" in drgrpo
