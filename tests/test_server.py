@@ -359,3 +359,16 @@ def test_real_analyze(components):
     assert c["gen_entity"]["sentence"] == "Large left pleural effusion."
     assert any("cardiomegaly" in e["text"] for e in result["false_negatives"])
     assert "No pleural effusion." in result["ref_entities_grouped_by_sentence"]
+
+
+def test_every_key_editgrpos_own_client_reads_is_filled_by_real_components():
+    """EditGRPO's client reads 11 prediction keys unconditionally; a missing one becomes reward 0 there."""
+    app_client = TestClient(server.create_app())
+    assert app_client.get("/health").json()["missing_editgrpo_keys"] == []
+    body = {"hyps": ["\\boxed{Small left effusion.}", "no box"], "refs": ["Small left effusion.", "Clear lungs."],
+            "type": "short"}
+    predictions = app_client.post("/predict", json=body).json()["data"]["predictions"]
+    for key in server.EDITGRPO_KEYS:
+        assert len(predictions[key]) == 2, key
+    assert predictions["format_ok"] == [True, False]
+    assert predictions["f1_radgraph_scores"][0] == 1.0 and predictions["final_scores"][1] == 0.0
