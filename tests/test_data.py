@@ -206,6 +206,18 @@ def test_swift_answer_from_assistant_or_solution(tmp_path):
     assert [m["role"] for m in ds[1].messages] == ["system", "user"]
 
 
+def test_swift_single_image_field(tmp_path):
+    """CheXPO's ms-swift records name one image under `image`; it must not be dropped."""
+    make_png(tmp_path / "a.png")
+    records = [{"messages": [{"role": "user", "content": "Findings?"}], "image": "a.png", "solution": "effusion"}]
+    ds = load_samples(write_jsonl(tmp_path / "swift.jsonl", records), format="swift")
+    assert len(ds[0].images) == 1 and contents(ds[0])[0] == {"type": "image"}
+    assert "image" not in ds[0].columns
+    missing = [{"messages": [{"role": "user", "content": "Findings?"}], "image": "nope.png", "solution": "x"}]
+    with pytest.raises(DataError, match="record 0: field 'image'"):
+        load_samples(write_jsonl(tmp_path / "bad.jsonl", missing), format="swift")
+
+
 def test_easyr1_custom_keys(tmp_path):
     make_png(tmp_path / "a.png")
     record = {"question": "<image>Q?", "solution": "S", "pics": ["a.png"], "question_type": "mcq"}

@@ -278,3 +278,10 @@ def test_editgrpo_edits_in_training(vlm_setup, tmp_path):
     assert all(r["edited"] for r in forced)
     completions = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert all((c["log_probs"] is None) == r["edited"] for c, r in zip(completions, rollouts))
+
+
+def test_lora_with_trainable_modules_is_refused(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"worker.actor.model.lora": {"rank": 4},
+                                                       "worker.actor.model.trainable_modules": ["lm_head"]})
+    with pytest.raises(ConfigError, match="trainable_modules.*LoRA"):
+        GRPOTrainer(config_from_dict(cfg))

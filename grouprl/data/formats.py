@@ -171,7 +171,11 @@ def _parse_swift(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
         if not isinstance(role, str) or role not in _SWIFT_ROLES:
             raise RecordError(f"{where}.role", f"expected one of {list(_SWIFT_ROLES)}, got {role!r}")
         messages.append({"role": role, "text": _string_field(message, "content", where)})
-    images = _image_list(record, "images")
+    # ms-swift datasets write a list under `images`; some (CheXPO's) a single path under `image`
+    if record.get("images") is None and record.get("image") is not None:
+        images = _image_value_or_list(record, "image")
+    else:
+        images = _image_list(record, "images")
     # The solution is only needed when there is no final assistant message.
     has_final = bool(messages) and messages[-1]["role"] == "assistant"
     solution = None if has_final else _answer_field(record, "solution", required=False)
@@ -180,7 +184,7 @@ def _parse_swift(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
         answer = solution
         if answer is None and require_answer:
             raise RecordError("messages", "no final assistant message and no 'solution' field to use as the answer")
-    columns = _other_fields(record, ("messages", "images"))
+    columns = _other_fields(record, ("messages", "images", "image"))
     return ParsedRecord(_to_chat(messages, "messages"), images, answer, columns)
 
 

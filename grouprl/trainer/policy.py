@@ -18,6 +18,11 @@ def build_policy(model_cfg: ModelConfig):
 
     if not model_cfg.model_path:
         raise ConfigError("config key 'worker.actor.model.model_path' is not set")
+    if model_cfg.lora.rank > 0 and model_cfg.trainable_modules:
+        # peft trains only the adapters and saves only them: named base modules would be
+        # frozen again, or trained and then lost from every checkpoint
+        raise ConfigError("'worker.actor.model.trainable_modules' cannot be combined with LoRA "
+                          "('worker.actor.model.lora.rank' > 0) yet; use one or the other")
     model, processor, is_vlm = load_model_and_processor(
         model_cfg.model_path,
         dtype=model_cfg.dtype,
