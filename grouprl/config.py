@@ -145,7 +145,8 @@ class RolloutConfig:
     extractor_num_ops_per_para: int = 1
     extractor_num_para: int = -1  # -1: floor(n/2) edited copies per group; k > 0: k responses of the batch
     extractor_similarity_threshold: float = 0.6  # tau
-    extractor_type: str = "rules"
+    extractor_type: str = "rules"  # rules | ratescore (RaTE-NER) | radgraph (RadGraph model) | a registered name
+    extractor_model_path: str | None = None  # local model directory of the ratescore / radgraph extractors
     extractor_edited_tokens: str = field(default="train", metadata=_choices("train", "mask"))
 
 

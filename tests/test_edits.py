@@ -11,12 +11,15 @@ from grouprl.data.sample import Sample
 from grouprl.models.tiny import build_tokenizer
 from grouprl.rewards.radiology.entities import split_sentences
 from grouprl.rollout.batch import RolloutBatch
+from grouprl.rollout import edits
 from grouprl.rollout.edits import (
     EXTRACTORS,
     EditOperation,
     EditTransform,
+    build_extractor,
     edit_report,
     get_extractor,
+    register_extractor,
     sentence_similarity,
 )
 
@@ -129,12 +132,14 @@ def test_edits_are_seeded():
 
 def test_extractor_registry():
     assert "rules" in EXTRACTORS
-    with pytest.raises(ValueError, match="rules"):
-        get_extractor("radgraph")
-    with pytest.raises(ValueError, match="registered extractors"):
-        edit_report(REF_A, REF_A, extractor="ratescore")
-    with pytest.raises(ValueError, match="registered extractors"):
-        EditTransform(None, eos_token_id=0, pad_token_id=0, extractor="radgraph")
+    with pytest.raises(ValueError, match="build_extractor"):
+        get_extractor("radgraph")  # a model extractor is never a registered one
+    with pytest.raises(ValueError, match=r"available extractors: \['radgraph', 'ratescore', 'rules'\]"):
+        get_extractor("chexbert")
+    with pytest.raises(ValueError, match=r"available extractors: .*'ratescore'.*'rules'"):
+        edit_report(REF_A, REF_A, extractor="chexbert")
+    with pytest.raises(ValueError, match="available extractors"):
+        EditTransform(None, eos_token_id=0, pad_token_id=0, extractor="chexbert")
 
 
 # ----------------------------------------------------------------------------- the transform
@@ -409,3 +414,169 @@ def test_invalid_options():
         EditTransform(None, eos_token_id=0, pad_token_id=0, edited_tokens="weight")
     with pytest.raises(ValueError, match="tau"):
         edit_report("a.", "b.", tau=1.5)
+
+
+# ----------------------------------------------------------------------------- model extractors
+from grouprl.rewards.radiology.ratescore import RateEntity, match_entities  # noqa: E402
+
+HEART = "Heart size is normal."
+
+
+def test_match_entities_takes_extracted_entities():
+    ref = [RateEntity("small effusion", "effusion", "ABNORMALITY", 0, 0, 14),
+           RateEntity("left pleura", "left pleura", "ANATOMY", 0, 18, 29)]
+    same = match_entities(list(ref), tuple(ref))
+    assert [p.relation for p in same.pairs] == ["match", "match"] and same.false_negatives == ()
+    assert same.hyp_entities == tuple(ref)
+    negated = [ref[0]._replace(text="effusion", type="NON-ABNORMALITY"), ref[1]]
+    flipped = match_entities(negated, ref)
+    assert [p.relation for p in flipped.pairs] == ["contradiction", "match"]
+    assert flipped.contradictions[0].ref == ref[0] and flipped.false_negatives == ()
+    with pytest.raises(TypeError, match="RateEntity"):
+        match_entities([("small effusion", "effusion")], ref)
+
+
+def test_model_extractor_needs_its_model_path():
+    for name in ("ratescore", "radgraph"):
+        for path in (None, "", "  "):
+            with pytest.raises(ValueError, match=r"worker\.rollout\.extractor_model_path"):
+                build_extractor(name, path)
+        with pytest.raises(ValueError, match=r"worker\.rollout\.extractor_model_path"):
+            EditTransform(None, eos_token_id=0, pad_token_id=0, extractor=name)
+        with pytest.raises(ValueError, match=r"worker\.rollout\.extractor_model_path"):
+            edit_report(HEART, HEART, extractor=name)
+    with pytest.raises(ValueError, match="only read by the model extractors"):
+        build_extractor("rules", "/some/model")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        build_extractor("ratescore", "/nonexistent/rate-ner")  # loaded at construction, not at the first step
+
+
+def test_custom_extractor_is_built_by_name():
+    calls = []
+
+    @register_extractor("test-everything-fp")
+    def everything_fp(response, reference):
+        calls.append(response)
+        return match_entities(response, "", threshold=0.6)
+
+    try:
+        assert build_extractor("test-everything-fp") is everything_fp
+        result = edit_report("Small left pleural effusion. " + HEART, HEART, extractor="test-everything-fp")
+        assert calls and result.operations[0].type in ("replace", "delete")
+    finally:
+        EXTRACTORS.pop("test-everything-fp")
+    with pytest.raises(ValueError, match="model extractor"):
+        register_extractor("ratescore")
+
+
+@pytest.fixture(scope="module")
+def rate_ner_dir(tmp_path_factory):
+    """A tiny RaTE-NER (test_model_backends' forced-prediction model) that sees "there" as an abnormality
+    and nothing in "lungs are clear", unlike the rules."""
+    pytest.importorskip("transformers")
+    from test_model_backends import TOKEN_TAGS, save_rate_ner
+
+    tags = {**TOKEN_TAGS, "lungs": "O", "clear": "O", "there": "B-ABNORMALITY"}
+    return str(save_rate_ner(tmp_path_factory.mktemp("edits-rate-ner"), tags=tags))
+
+
+def test_ratescore_extractor_edits_the_model_false_positive(rate_ner_dir):
+    model_fp, rules_fp = HEART + " There is.", HEART + " The lungs are clear."
+    ops = edit_report(model_fp, HEART, extractor="ratescore", extractor_model_path=rate_ner_dir).operations
+    assert [(op.type, op.before, op.sentence_index) for op in ops] == [("delete", "There is.", 1)]
+    assert edit_report(model_fp, HEART).operations == []  # the rules see no entity there
+    assert edit_report(rules_fp, HEART, extractor="ratescore", extractor_model_path=rate_ner_dir).operations == []
+    assert [op.before for op in edit_report(rules_fp, HEART).operations] == ["The lungs are clear."]
+    matching = build_extractor("ratescore", rate_ner_dir)(model_fp, HEART)
+    assert [(e.text, e.type, e.sentence) for e in matching.false_positives] == [("there", "ABNORMALITY", 1)]
+
+
+def test_ratescore_model_is_loaded_once_per_path(rate_ner_dir, monkeypatch):
+    from grouprl.rewards.radiology.backends import rate_ner
+
+    made = []
+
+    class Counting(rate_ner.RateNER):
+        def __init__(self, *args, **kwargs):
+            made.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(rate_ner, "RateNER", Counting)
+    monkeypatch.setattr(rate_ner, "_NER", {})
+    first = build_extractor("ratescore", rate_ner_dir)
+    second = build_extractor("ratescore", rate_ner_dir)
+    assert first(HEART, HEART).false_positives == [] and second(HEART, HEART).false_positives == []
+    assert made == [rate_ner_dir]
+
+
+def test_edit_transform_with_the_ratescore_extractor(tokenizer, rate_ner_dir):
+    responses = [HEART + " There is.", HEART + " The lungs are clear."]
+    for extractor, path, source, target in (("ratescore", rate_ner_dir, 0, 1), ("rules", None, 1, 0)):
+        t = transform(tokenizer, extractor=extractor, extractor_model_path=path)
+        assert t.extractor == extractor and t.extractor_model_path == path
+        out = t(make_batch(tokenizer, [(HEART, responses)]))
+        assert out.extras["edit_source"] == [None, None][:target] + [source] + [None, None][target + 1:]
+        assert out.responses[target] == HEART and out.responses[source] == responses[source]
+        assert [op["type"] for op in out.extras["edit_operations"][target]] == ["delete"]
+        assert out.edited.tolist() == [i == target for i in range(2)]
+
+
+def test_radgraph_extractor_wiring_with_a_test_double(monkeypatch, tmp_path):
+    """The radgraph package (0.1.18) does not load under transformers 5, so a stand-in for
+    RadGraphModel returns the package's annotations (its tokenized text) for two reports."""
+    from grouprl.rewards.radiology.backends import radgraph_model
+    from grouprl.rewards.radiology.backends.radgraph_model import graph_from_annotation
+
+    response = "Small left pleural effusion. No pneumothorax."
+    reference = "No pleural effusion. No pneumothorax."
+    annotations = {
+        response: {"text": "Small left pleural effusion . No pneumothorax .", "entities": {
+            "1": {"tokens": "Small", "label": "OBS-DP", "start_ix": 0, "end_ix": 0, "relations": [["modify", "4"]]},
+            "3": {"tokens": "pleural", "label": "ANAT-DP", "start_ix": 2, "end_ix": 2, "relations": []},
+            "4": {"tokens": "effusion", "label": "OBS-DP", "start_ix": 3, "end_ix": 3,
+                  "relations": [["located_at", "3"]]},
+            "5": {"tokens": "pneumothorax", "label": "OBS-DA", "start_ix": 6, "end_ix": 6, "relations": []}}},
+        reference: {"text": "No pleural effusion . No pneumothorax .", "entities": {
+            "1": {"tokens": "pleural", "label": "ANAT-DP", "start_ix": 1, "end_ix": 1, "relations": []},
+            "2": {"tokens": "effusion", "label": "OBS-DA", "start_ix": 2, "end_ix": 2,
+                  "relations": [["located_at", "1"]]},
+            "3": {"tokens": "pneumothorax", "label": "OBS-DA", "start_ix": 5, "end_ix": 5, "relations": []}}},
+    }
+    made = []
+
+    class FakeRadGraphModel:
+        def __init__(self, model_path_or_type, **kwargs):
+            made.append(str(model_path_or_type))
+
+        def graphs(self, texts):
+            return [graph_from_annotation(annotations[t]) for t in texts]
+
+    monkeypatch.setattr(radgraph_model, "RadGraphModel", FakeRadGraphModel)
+    monkeypatch.setattr(radgraph_model, "_MODELS", {})
+    path = str(tmp_path / "radgraph")
+    extract = build_extractor("radgraph", path)
+    assert build_extractor("radgraph", path) is not None and made == [path]  # loaded once per path
+    matching = extract(response, reference)
+    # entity positions refer to the report, not to the package's tokenized text
+    assert [(response[e.start:e.end], e.text, e.type, e.sentence) for e in matching.hyp_entities] == [
+        ("pleural", "pleural", "ANATOMY", 0),
+        ("Small left pleural effusion", "small effusion", "ABNORMALITY", 0),
+        ("pneumothorax", "pneumothorax", "NON-ABNORMALITY", 1),
+    ]
+    assert [(p.hyp.text, p.ref.text) for p in matching.contradictions] == [("small effusion", "effusion")]
+    result = edit_report(response, reference, extractor="radgraph", extractor_model_path=path)
+    assert [(op.type, op.before, op.after) for op in result.operations] == [
+        ("correct", "Small left pleural effusion.", "No pleural effusion.")]
+    assert result.text == "No pleural effusion. No pneumothorax."
+    t = EditTransform(None, eos_token_id=0, pad_token_id=0, extractor="radgraph", extractor_model_path=path)
+    assert t._extract(response, reference).contradictions and made == [path]
+
+
+def test_radgraph_entities_of_a_differently_spaced_text_keep_in_range_sentences():
+    from grouprl.rewards.radiology.backends.radgraph_model import graph_from_annotation
+
+    graph = graph_from_annotation({"text": "a . b . effusion .", "entities": {
+        "1": {"tokens": "effusion", "label": "OBS-DP", "start_ix": 4, "end_ix": 4}}})
+    (entity,) = edits._graph_entities(graph, "Effusion.")  # not the same text: sentence clamped
+    assert entity.sentence == 0
+    assert edits._graph_entities(graph, "") == ()

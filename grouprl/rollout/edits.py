@@ -5,7 +5,7 @@ and trained on like the policy's own samples (their old log-probs are computed b
 the actor after this transform, so the ratio starts at 1). Two layers:
 
 - :func:`edit_report` edits one report. It matches the entities of the response
-  with those of the reference (an *extractor*, see :data:`EXTRACTORS`) and applies
+  with those of the reference (an *extractor*, see :func:`build_extractor`) and applies
   up to ``num_ops`` sentence operations, in this priority:
 
   1. ``correct``: a sentence with a finding the reference states with the opposite
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grouprl.models.prompts import tokenizer_of
-from grouprl.rewards.radiology.entities import sentence_spans, split_sentences
-from grouprl.rewards.radiology.ratescore import EntityMatching, match_entities, text_similarity
+from grouprl.rewards.radiology.entities import ReportGraph, sentence_spans, split_sentences
+from grouprl.rewards.radiology.ratescore import EntityMatching, RateEntity, match_entities, rate_entities, text_similarity
 from grouprl.rollout.batch import RolloutBatch
 
 OPERATION_TYPES = ("correct", "replace", "delete", "add", "fill")
@@ -76,10 +76,16 @@ class EditResult:
 # ----------------------------------------------------------------------------- extractors
 Extractor = Callable[[str, str], EntityMatching]
 EXTRACTORS: dict[str, Extractor] = {}
+# Extractors that run a model from a local directory (``extractor_model_path``): built by
+# build_extractor, never taken from EXTRACTORS.
+MODEL_EXTRACTORS = ("ratescore", "radgraph")
+MODEL_PATH_KEY = "worker.rollout.extractor_model_path"
 
 
 def register_extractor(name: str) -> Callable[[Extractor], Extractor]:
     """Register ``f(response, reference) -> EntityMatching`` under ``name`` (``extractor_type``)."""
+    if name in MODEL_EXTRACTORS:
+        raise ValueError(f"{name!r} is a model extractor (built by build_extractor); register under another name")
 
     def add(fn: Extractor) -> Extractor:
         EXTRACTORS[name] = fn
@@ -88,12 +94,99 @@ def register_extractor(name: str) -> Callable[[Extractor], Extractor]:
     return add
 
 
+def available_extractors() -> list[str]:
+    return sorted(set(EXTRACTORS) | set(MODEL_EXTRACTORS))
+
+
 def get_extractor(name: str) -> Extractor:
+    """A registered (model-free) extractor; the model extractors need :func:`build_extractor`."""
+    if name in MODEL_EXTRACTORS:
+        raise ValueError(f"extractor {name!r} runs a model: build it with build_extractor({name!r}, model_path) "
+                         f"(config key {MODEL_PATH_KEY})")
     try:
         return EXTRACTORS[name]
     except KeyError:
-        raise ValueError(f"unknown extractor {name!r}; registered extractors: {sorted(EXTRACTORS)} "
-                         "(model backends such as 'ratescore' or 'radgraph' are not available yet)") from None
+        raise ValueError(f"unknown extractor {name!r}; available extractors: {available_extractors()}") from None
+
+
+def build_extractor(name: str, model_path: str | None = None) -> Extractor:
+    """The extractor ``name`` (``extractor_type``), its model loaded now from ``model_path``.
+
+    - registered names (``rules`` and user extractors): take no model path;
+    - ``ratescore``: RaTE-NER entities (``backends.rate_ner.RateNER`` on the local
+      token-classification directory ``model_path``) matched by ``match_entities``;
+    - ``radgraph``: the RadGraph model (``backends.radgraph_model.RadGraphModel`` on
+      ``model_path``; needs the ``radgraph`` package) whose graphs ``match_entities``
+      folds and matches. Its graphs are of the package's tokenized text; entity
+      positions are mapped back to the original report (see :func:`_graph_entities`).
+
+    Models are loaded once per process per path (the backends' ``load_*`` caches),
+    and run on CPU.
+    """
+    if name in MODEL_EXTRACTORS:
+        if model_path is None or not str(model_path).strip():
+            raise ValueError(f"extractor {name!r} needs a local model directory: set {MODEL_PATH_KEY}")
+        return _model_extractor(name, str(model_path))
+    if name not in EXTRACTORS:
+        raise ValueError(f"unknown extractor {name!r}; available extractors: {available_extractors()}")
+    if model_path is not None:
+        raise ValueError(f"{MODEL_PATH_KEY} is only read by the model extractors {list(MODEL_EXTRACTORS)}, "
+                         f"not by {name!r}; unset it")
+    return EXTRACTORS[name]
+
+
+def _model_extractor(name: str, model_path: str) -> Extractor:
+    if name == "ratescore":
+        from grouprl.rewards.radiology.backends.rate_ner import load_rate_ner
+
+        ner = load_rate_ner(model_path)
+
+        def rate_ner_extractor(response: str, reference: str) -> EntityMatching:
+            hyp, ref = ner.extract([response, reference])
+            return match_entities(hyp, ref, threshold=MATCH_THRESHOLD)
+
+        return rate_ner_extractor
+
+    from grouprl.rewards.radiology.backends.radgraph_model import load_radgraph_model
+
+    model = load_radgraph_model(model_path)
+
+    def radgraph_extractor(response: str, reference: str) -> EntityMatching:
+        hyp, ref = model.graphs([response, reference])
+        return match_entities(_graph_entities(hyp, response), _graph_entities(ref, reference),
+                              threshold=MATCH_THRESHOLD)
+
+    return radgraph_extractor
+
+
+def _graph_entities(graph: ReportGraph, text: str) -> tuple[RateEntity, ...]:
+    """A model graph's entities with ``sentence``/``start``/``end`` of ``text`` (the report it was run on).
+
+    The RadGraph package annotates its own tokens joined by spaces ("effusion ." for
+    "effusion."), so its sentences need not be the report's. Offsets are mapped by
+    counting non-space characters, which tokenization keeps; when the graph's text is
+    not the report's up to whitespace and case, the entities are kept with their
+    sentence index clamped to the report's sentences.
+    """
+    entities = rate_entities(graph)
+    spans = sentence_spans(text)
+    if not spans:
+        return ()
+    kept = [i for i, c in enumerate(text) if not c.isspace()]
+    if "".join(text[i] for i in kept).lower() != "".join(graph.text.split()).lower():
+        return tuple(e._replace(sentence=min(e.sentence, len(spans) - 1)) for e in entities)
+    dense = [0] * (len(graph.text) + 1)  # graph offset -> non-space characters before it
+    for i, c in enumerate(graph.text):
+        dense[i + 1] = dense[i] + (not c.isspace())
+    out = []
+    for e in entities:
+        first, last = dense[e.start], dense[e.end] - 1
+        if last < first:  # an entity of spaces only: nothing to locate
+            continue
+        start, end = kept[first], kept[last] + 1
+        sentence = next((k for k, (_, b) in enumerate(spans) if start < b), len(spans) - 1)
+        out.append(e._replace(sentence=sentence, start=start, end=end))
+    return tuple(out)
 
 
 @register_extractor("rules")
@@ -207,7 +300,7 @@ def _delete(sentences: list[str], gaps: list[str], i: int) -> tuple[list[str], l
 
 
 def edit_report(response: str, reference: str, *, num_ops: int = 1, tau: float = 0.6, seed: int = 0,
-                extractor: str = "rules") -> EditResult:
+                extractor: str | Extractor = "rules", extractor_model_path: str | None = None) -> EditResult:
     """Correct up to ``num_ops`` sentences of ``response`` against ``reference`` (see the module docstring).
 
     ``tau`` is the :func:`sentence_similarity` a false-positive sentence's best
@@ -216,7 +309,8 @@ def edit_report(response: str, reference: str, *, num_ops: int = 1, tau: float =
     gets no operation and comes back unchanged, character for character. An empty
     reference leaves the response unchanged: there is nothing to edit against.
     Deleting the only sentence of a report leaves it empty; a further operation
-    (``num_ops`` > 1) then fills it.
+    (``num_ops`` > 1) then fills it. ``extractor`` is a name for :func:`build_extractor`
+    (with ``extractor_model_path`` for a model extractor) or an extractor itself.
     """
     if not isinstance(response, str) or not isinstance(reference, str):
         raise TypeError("edit_report needs a response and a reference text")
@@ -224,7 +318,7 @@ def edit_report(response: str, reference: str, *, num_ops: int = 1, tau: float =
         raise ValueError(f"num_ops must be a non-negative integer, got {num_ops!r}")
     if not (isinstance(tau, (int, float)) and 0.0 <= tau <= 1.0):
         raise ValueError(f"tau must be in [0, 1], got {tau!r}")
-    extract = get_extractor(extractor)
+    extract = extractor if callable(extractor) else build_extractor(extractor, extractor_model_path)
     ref_sentences = split_sentences(reference)
     if not ref_sentences:
         return EditResult(response, [])
@@ -289,7 +383,8 @@ class EditTransform:
 
     def __init__(self, processor, *, eos_token_id: int, pad_token_id: int, num_ops_per_para: int = 1,
                  num_para: int = -1, tau: float = 0.6, force_gt_num: int = 0, seed: int = 0,
-                 extractor: str = "rules", edited_tokens: str = "train") -> None:
+                 extractor: str = "rules", extractor_model_path: str | None = None,
+                 edited_tokens: str = "train") -> None:
         if not isinstance(num_para, int) or num_para < -1:
             raise ValueError(f"num_para must be -1 (floor(n/2) copies per group), 0 or a positive integer, got {num_para!r}")
         if not isinstance(force_gt_num, int) or force_gt_num < 0:
@@ -300,7 +395,8 @@ class EditTransform:
             raise ValueError(f"tau must be in [0, 1], got {tau!r}")
         if edited_tokens not in ("train", "mask"):
             raise ValueError(f"edited_tokens must be 'train' or 'mask', got {edited_tokens!r}")
-        get_extractor(extractor)  # fail at construction, not at the first step
+        # fail (and load a model) at construction, not at the first step
+        self._extract = build_extractor(extractor, extractor_model_path)
         self.tokenizer = tokenizer_of(processor)
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
@@ -310,6 +406,7 @@ class EditTransform:
         self.force_gt_num = force_gt_num
         self.seed = seed
         self.extractor = extractor
+        self.extractor_model_path = extractor_model_path
         self.edited_tokens = edited_tokens
         self.last_metrics: dict[str, float] = {}
 
@@ -327,7 +424,7 @@ class EditTransform:
         if not reference or not reference.strip():
             return EditResult(batch.responses[row], [])
         return edit_report(batch.responses[row], reference, num_ops=self.num_ops_per_para, tau=self.tau,
-                           seed=rng.randrange(2**32), extractor=self.extractor)
+                           seed=rng.randrange(2**32), extractor=self._extract)
 
     def _first_editable(self, batch, rows: list[int], count: int, rng) -> list[tuple[int, EditResult]]:
         found = []

@@ -153,6 +153,7 @@ class GRPOTrainer:
                 pad_token_id=self.engine.pad_token_id, num_ops_per_para=roll.extractor_num_ops_per_para,
                 num_para=roll.extractor_num_para if roll.extractor else 0, tau=roll.extractor_similarity_threshold,
                 force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
+                extractor_model_path=roll.extractor_model_path,
                 edited_tokens=roll.extractor_edited_tokens))
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree

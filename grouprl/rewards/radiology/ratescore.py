@@ -131,13 +131,19 @@ def _entities_of_text(text: str) -> tuple[RateEntity, ...]:
     return entities_from_graph(graph_of(text))
 
 
-def rate_entities(report: str | ReportGraph) -> tuple[RateEntity, ...]:
-    """The RaTE-typed entities of a report (text, cached) or of an extracted graph."""
+def rate_entities(report: str | ReportGraph | Sequence[RateEntity]) -> tuple[RateEntity, ...]:
+    """The RaTE-typed entities of a report (text, cached), of an extracted graph, or
+    already extracted (a sequence of :class:`RateEntity`, e.g. RaTE-NER's), passed through as a tuple."""
     if isinstance(report, ReportGraph):
         return entities_from_graph(report)
-    if not isinstance(report, str):
-        raise TypeError(f"expected a report text or a ReportGraph, got {type(report).__name__}")
-    return _entities_of_text(report)
+    if isinstance(report, str):
+        return _entities_of_text(report)
+    if isinstance(report, (tuple, list)):
+        for i, e in enumerate(report):
+            if not isinstance(e, RateEntity):
+                raise TypeError(f"entity {i} must be a RateEntity, got {type(e).__name__}")
+        return tuple(report)
+    raise TypeError(f"expected a report text, a ReportGraph or a sequence of RateEntity, got {type(report).__name__}")
 
 
 @lru_cache(maxsize=32768)
@@ -289,7 +295,8 @@ def _contradiction(entity: RateEntity, others: Sequence[RateEntity], threshold: 
     return (best, where) if best >= threshold else (best, -1)
 
 
-def match_entities(hyp: str | ReportGraph, ref: str | ReportGraph, *, threshold: float = 0.6) -> EntityMatching:
+def match_entities(hyp: str | ReportGraph | Sequence[RateEntity], ref: str | ReportGraph | Sequence[RateEntity], *,
+                   threshold: float = 0.6) -> EntityMatching:
     """Match each generated entity to its best reference counterpart.
 
     A generated entity is a ``match`` when its best similarity x affinity reaches
@@ -298,7 +305,8 @@ def match_entities(hyp: str | ReportGraph, ref: str | ReportGraph, *, threshold:
     effusion" against "small effusion"); else a false positive (``fp``). A reference
     entity is a false negative when no generated entity reaches ``threshold`` with
     it and it is not one side of a contradiction. Matching is many-to-one, as in
-    RaTEScore. Identical entities always match (similarity 1.0).
+    RaTEScore. Identical entities always match (similarity 1.0). Either side may be a
+    text, a :class:`ReportGraph` or an already extracted entity sequence (see :func:`rate_entities`).
     """
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
