@@ -89,7 +89,7 @@ def cmd_eval(args) -> int:
 def cmd_generate(args) -> int:
     from grouprl.evaluation import generate_file
 
-    load = {"format": args.format}
+    load = {"format": args.format, "id_key": args.id_key}
     if args.image_dir:
         load["image_dir"] = args.image_dir
     if args.system_prompt is not None:
@@ -202,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=["auto", "easyr1", "llava", "swift"])
     p.add_argument("--image-dir", help="base directory of relative image paths")
     p.add_argument("--system-prompt", help="system prompt added to every sample")
+    p.add_argument("--id-key", default="id", help="record field written as each output's 'id' (default id)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_generate)
 

@@ -41,6 +41,7 @@ class DataConfig:
     answer_key: str | None = None
     image_key: str | None = None
     image_dir: str | None = None
+    id_key: str = "id"  # the record field that identifies a sample in logs and outputs
     system_prompt: str | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None

@@ -535,3 +535,10 @@ def test_detection_uses_first_readable_record_and_rejects_ambiguity(tmp_path):
     with pytest.raises(DataError, match=r"fits several formats \(easyr1, swift\)"):
         load_samples(both)
     assert load_samples(both, format="easyr1")[0].columns == {"messages": [], "answer": "a"}
+
+
+def test_id_key_names_the_sample(tmp_path):
+    records = [{"problem": "Q?", "answer": "A", "idx": "case-7"}]
+    ds = load_samples(write_jsonl(tmp_path / "r.jsonl", records), id_key="idx")
+    assert ds[0].id == "case-7"
+    assert load_samples(write_jsonl(tmp_path / "s.jsonl", records))[0].id.endswith("#0")

@@ -64,6 +64,8 @@ class SampleDataset(Sequence):
         self.skipped_details = list(skipped_details or [])
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
+        # the record field that names a sample (Sample.id reads the "id" column)
+        self.id_key = "id"
 
     @property
     def skipped(self) -> int:
@@ -84,11 +86,14 @@ class SampleDataset(Sequence):
                 # The file was there when the dataset was loaded; say which record lost it.
                 raise DataError(_where(entry.source, entry.index, field_name, str(exc))) from exc
         # Copies, so that a consumer editing a Sample cannot change the dataset.
+        columns = dict(entry.columns)
+        if self.id_key != "id" and self.id_key in columns:
+            columns["id"] = columns[self.id_key]
         return Sample(
             messages=copy.deepcopy(entry.messages),
             images=images,
             answer=entry.answer,
-            columns=dict(entry.columns),
+            columns=columns,
             source=entry.source,
             index=entry.index,
         )
@@ -112,6 +117,7 @@ def load_samples(
     split: str = "train",
     max_samples: int | None = None,
     require_answer: bool = True,
+    id_key: str = "id",
 ) -> SampleDataset:
     """Read ``paths`` (one path, a comma-separated string or a list) into a SampleDataset.
 
@@ -121,7 +127,8 @@ def load_samples(
     relative to ``image_dir``, or else to the directory holding the data file.
     ``split`` picks the split of a saved DatasetDict. ``max_samples`` stops after
     that many valid records. A bad record raises DataError unless
-    ``skip_bad_records``, which leaves it out and counts it.
+    ``skip_bad_records``, which leaves it out and counts it. ``id_key`` names the
+    field that identifies a record (CheXPO's data uses ``idx``); it becomes ``Sample.id``.
     """
     reader = _Reader(
         format=format,
@@ -141,7 +148,9 @@ def load_samples(
         source = os.fspath(path)
         base_dir = os.fspath(image_dir) if image_dir is not None else os.path.dirname(os.path.abspath(source))
         reader.read(source, _iter_records(source, split), base_dir)
-    return reader.dataset(", ".join(os.fspath(p) for p in path_list))
+    dataset = reader.dataset(", ".join(os.fspath(p) for p in path_list))
+    dataset.id_key = id_key
+    return dataset
 
 
 def samples_from_records(

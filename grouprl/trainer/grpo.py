@@ -36,7 +36,7 @@ def load_datasets(config: Config):
         raise ConfigError("config key 'data.train_files' is empty")
     common = dict(format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
                   image_dir=d.image_dir, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                  system_prompt=d.system_prompt, skip_bad_records=d.skip_bad_records)
+                  system_prompt=d.system_prompt, skip_bad_records=d.skip_bad_records, id_key=d.id_key)
     train = load_samples(d.train_files, max_samples=d.max_samples, **common)
     val = load_samples(d.val_files, max_samples=d.val_max_samples, **common) if d.val_files else None
     return train, val
