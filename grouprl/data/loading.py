@@ -57,6 +57,7 @@ class SampleDataset(Sequence):
         skipped_details: list[str] | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        id_key: str = "id",
     ):
         check_pixel_range(min_pixels, max_pixels)
         self._entries = entries
@@ -65,7 +66,7 @@ class SampleDataset(Sequence):
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         # the record field that names a sample (Sample.id reads the "id" column)
-        self.id_key = "id"
+        self.id_key = id_key
 
     @property
     def skipped(self) -> int:
@@ -148,9 +149,7 @@ def load_samples(
         source = os.fspath(path)
         base_dir = os.fspath(image_dir) if image_dir is not None else os.path.dirname(os.path.abspath(source))
         reader.read(source, _iter_records(source, split), base_dir)
-    dataset = reader.dataset(", ".join(os.fspath(p) for p in path_list))
-    dataset.id_key = id_key
-    return dataset
+    return reader.dataset(", ".join(os.fspath(p) for p in path_list), id_key=id_key)
 
 
 def samples_from_records(
@@ -168,6 +167,7 @@ def samples_from_records(
     skip_bad_records: bool = False,
     max_samples: int | None = None,
     require_answer: bool = True,
+    id_key: str = "id",
 ) -> SampleDataset:
     """Records already in memory (e.g. made by a generator, images as PIL) into a SampleDataset.
 
@@ -188,7 +188,7 @@ def samples_from_records(
     _check_image_dir(image_dir)
     base_dir = os.fspath(image_dir) if image_dir is not None else os.getcwd()
     reader.read(source, enumerate(records), base_dir)
-    return reader.dataset(source)
+    return reader.dataset(source, id_key=id_key)
 
 
 class _Reader:
@@ -251,7 +251,7 @@ class _Reader:
                     raise
                 self.skipped.append(str(exc))
 
-    def dataset(self, source: str) -> SampleDataset:
+    def dataset(self, source: str, *, id_key: str = "id") -> SampleDataset:
         if self.skipped:
             logger.warning("%s: skipped %d bad record(s); first: %s", source, len(self.skipped), self.skipped[0])
         if not self.entries:
@@ -263,6 +263,7 @@ class _Reader:
             skipped_details=self.skipped,
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
+            id_key=id_key,
         )
 
     def _check(self, record: dict[str, Any], fmt: str, base_dir: str, source: str, index: int) -> _Entry:

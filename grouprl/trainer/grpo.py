@@ -178,8 +178,8 @@ class GRPOTrainer:
             return_log_probs=self.config.trainer.log_completions and not validation,
         )
 
-    def _score(self, batch: RolloutBatch) -> None:
-        """Rewards, overlong shaping and truncation masking, in place."""
+    def _score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rewards, overlong shaping and truncation masking, in place; returns the reward metrics."""
         algo = self.config.algorithm
         result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses, reward_columns(batch))
         batch.reward_components = result.components
@@ -194,7 +194,7 @@ class GRPOTrainer:
         batch.scores = scores
         if algo.mask_truncated_completions:
             batch.loss_mask = algorithms.mask_truncated(batch.loss_mask, batch.truncated)
-        self._reward_metrics = result.metrics()
+        return result.metrics()
 
     def rollout(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate, transform and score one step's batch, with DAPO dynamic sampling when on."""
@@ -211,9 +211,9 @@ class GRPOTrainer:
             for transform in self.rollout_transforms:
                 batch = transform(batch)
                 transform_metrics.update(getattr(transform, "last_metrics", {}))
-            self._score(batch)
+            reward_metrics = self._score(batch)
             if rounds == 0:
-                metrics = self._reward_metrics  # what the policy produced, before any filtering
+                metrics = reward_metrics  # what the policy produced, before any filtering
                 metrics["frac_reward_zero_std"] = float(
                     (algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0).float().mean())
                 metrics.update(transform_metrics)
