@@ -263,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad config or data file is one line on stderr and exit code 2, not a traceback."""
     from grouprl.config import ConfigError
+    from grouprl.data.formats import DataError
+    from grouprl.data.images import ImageError
 
     args = build_parser().parse_args(argv)
     if getattr(args, "config", None) and "=" in args.config:
@@ -274,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as exc:
         print(f"grouprl: config error: {exc}", file=sys.stderr)
+        return 2
+    except (DataError, ImageError) as exc:  # the message names the file, the record and the field
+        print(f"grouprl: data error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -109,6 +109,10 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw: fp32 master weights and AdamW state whatever the compute dtype (EasyR1/verl);
+    # adamw_bf16: parameters and AdamW state in bf16, half the memory and lossy (small
+    # updates round away; at lr 1e-6 most entries of a 0.02-scale weight never change).
+    strategy: str = field(default="adamw", metadata=_choices("adamw", "adamw_bf16"))
     lr: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-2
@@ -118,17 +122,48 @@ class OptimConfig:
 
 
 @dataclass
+class GSPOConfig:
+    """GSPO's (and gspo_token's) own clip range on the sequence ratio; the paper's 3e-4 / 4e-4."""
+
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+
+
+@dataclass
+class CISPOConfig:
+    """CISPO's cap on its detached importance weight: [1 - low, 1 + high]; low null = no lower cap."""
+
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float = 4.0  # weights capped at 5.0
+
+
+@dataclass
+class SAPOConfig:
+    """SAPO's gate temperatures for positive and negative advantages."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # ddp: every process holds the whole model; fsdp: parameters, gradients and optimizer
+    # state sharded over the processes (torch FSDP2), for models DDP cannot hold.
+    strategy: str = field(default="ddp", metadata=_choices("ddp", "fsdp"))
     global_batch_size: int = 8  # prompts per optimizer step; x rollout.n responses
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward
     micro_batch_size_per_device_for_experience: int = 16  # responses per no-grad log-prob forward
     ppo_epochs: int = 1
     max_grad_norm: float = 1.0
+    # PPO clip range of the `vanilla` loss (the other losses have their own sections below)
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.3
     clip_ratio_dual: float | None = 3.0
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
+    sapo: SAPOConfig = field(default_factory=SAPOConfig)
 
 
 @dataclass
@@ -444,7 +479,12 @@ def validate(config: Config) -> None:
     _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
-    _positive("worker.rollout.temperature", rollout.temperature, allow_zero=True)
+    if rollout.temperature <= 0:
+        # the loss scores sampled tokens at the sampling temperature; greedy rollouts have none
+        # (and give every response of a group the same text, so no group-relative signal)
+        raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 for training rollouts; "
+                          f"got {rollout.temperature} (greedy decoding is for validation: worker.rollout.val_temperature)")
+    _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
     _positive("data.rollout_batch_size", config.data.rollout_batch_size)
@@ -459,6 +499,16 @@ def validate(config: Config) -> None:
             f"config key 'data.rollout_batch_size' ({config.data.rollout_batch_size}) must be a multiple of "
             f"'worker.actor.global_batch_size' ({actor.global_batch_size})"
         )
+    model = actor.model
+    if model.dtype == "float16":
+        raise ConfigError("config key 'worker.actor.model.dtype': float16 training needs loss scaling, which "
+                          "grouprl does not do; use bfloat16 (bf16 compute over fp32 master weights)")
+    if actor.optim.strategy == "adamw_bf16" and model.dtype != "bfloat16":
+        raise ConfigError("config key 'worker.actor.optim.strategy': adamw_bf16 keeps parameters and optimizer "
+                          f"state in bf16 and needs 'worker.actor.model.dtype: bfloat16'; got {model.dtype!r}")
+    if actor.strategy == "fsdp" and model.lora.rank > 0:
+        raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
+                          "is not supported yet; LoRA adapters are small enough for ddp")
     if len(actor.optim.betas) != 2:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:

@@ -158,3 +158,49 @@ def test_register_custom_estimator():
             register_advantage_estimator("test_doubled")(doubled)
     finally:
         del ADVANTAGE_ESTIMATORS["test_doubled"]
+
+
+def test_reinforce_plus_plus_discounts_over_valid_tokens_only():
+    # Row 0 has a hole at position 1 (e.g. template tokens between two turns); the 9.0 there is dropped.
+    scores = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]])
+    token_rewards = torch.tensor([[0.5, 9.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    # Valid steps of row 0 are t = 0, 2, 3 with rewards 0.5, 0, 1; gamma 1/2 once per valid step:
+    # G3 = 1, G2 = 0 + 0.5 * 1 = 0.5, G0 = 0.5 + 0.5 * 0.5 = 0.75 (the hole is not a step).
+    # Row 1: G1 = -1, G0 = -0.5. Valid returns [0.75, 0.5, 1, -0.5, -1]: mean 0.15,
+    # deviations 0.6, 0.35, 0.85, -0.65, -1.15, unbiased var 2.95 / 4.
+    adv = compute_advantages(
+        "reinforce_plus_plus", scores, torch.tensor([0, 1]), response_mask=mask,
+        token_rewards=token_rewards, gamma=0.5, eps=0.0,
+    )
+    s = math.sqrt(2.95 / 4)
+    close(adv, [[0.6 / s, 0.0, 0.35 / s, 0.85 / s], [-0.65 / s, -1.15 / s, 0.0, 0.0]])
+
+
+def test_reinforce_plus_plus_hole_equals_the_row_without_it():
+    # Removing the masked columns of a row must not change its valid tokens' advantages.
+    generator = torch.Generator().manual_seed(0)
+    token_rewards = torch.randn(2, 6, generator=generator, dtype=torch.float64)
+    scores = torch.tensor([0.3, -1.2], dtype=torch.float64)
+    holed = torch.tensor([[1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    packed = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
+    packed_rewards = token_rewards.clone()
+    packed_rewards[0, :3] = token_rewards[0, [0, 3, 4]]
+    options = {"gamma": 0.8, "eps": 0.0}
+    a = compute_advantages("reinforce_plus_plus", scores, [0, 1], response_mask=holed, token_rewards=token_rewards, **options)
+    b = compute_advantages("reinforce_plus_plus", scores, [0, 1], response_mask=packed, token_rewards=packed_rewards, **options)
+    close(a[0, [0, 3, 4]], b[0, :3])
+    close(a[1], b[1])
+    assert torch.all(a[holed == 0] == 0)
+
+
+def test_reinforce_plus_plus_gamma_one_with_hole_is_unchanged():
+    # gamma = 1: whether the hole is a step or not makes no difference (same as before the
+    # valid-tokens-only discounting). Row 0 returns [1.5, -, 1, 1]; row 1 [-1, -1].
+    scores = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]])
+    token_rewards = torch.tensor([[0.5, 9.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = compute_advantages("reinforce_plus_plus", scores, [0, 1], response_mask=mask, token_rewards=token_rewards, eps=0.0)
+    # Mean 1.5 / 5 = 0.3; deviations 1.2, 0.7, 0.7, -1.3, -1.3; var (1.44 + 0.98 + 3.38) / 4 = 1.45.
+    s = math.sqrt(1.45)
+    close(adv, [[1.2 / s, 0.0, 0.7 / s, 0.7 / s], [-1.3 / s, -1.3 / s, 0.0, 0.0]])

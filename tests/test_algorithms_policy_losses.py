@@ -249,3 +249,32 @@ def test_register_custom_policy_loss():
         assert metrics["clipfrac"] == 0.0
     finally:
         del POLICY_LOSSES["test_pg"]
+
+
+def test_cispo_without_lower_cap():
+    # CISPO caps the weight only above: clip_ratio_low=None, ratio cap 1 + 4 = 5.
+    log_prob, old = make_log_probs([[0.01, 10.0], [0.5, 3.0]], [[-1.0, -2.0], [-0.5, -3.0]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 1]])
+    loss, metrics = compute_policy_loss("cispo", log_prob, old, adv, mask, clip_ratio_low=None, clip_ratio_high=4.0)
+    # Weights [0.01 (no floor), 5 (capped)], [0.5, 3]; l = -w A log_prob = 0.01, 10, -0.5, -18.
+    close(loss, (0.01 + 10.0 - 0.5 - 18.0) / 4)
+    loss.backward()
+    close(log_prob.grad, [[-0.01 / 4, -5.0 / 4], [1.0 / 4, 6.0 / 4]])
+    assert metrics["clipfrac_low"] == 0.0
+    assert metrics["clipfrac_high"] == pytest.approx(1 / 4)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gspo_token"])
+def test_clip_ratio_low_none_is_rejected_by_losses_that_need_it(name):
+    log_prob, old = make_log_probs([[1.0]], [[-1.0]])
+    ones = torch.ones(1, 1)
+    with pytest.raises(ValueError, match=f"{name!r}.*clip_ratio_low.*cispo"):
+        compute_policy_loss(name, log_prob, old, ones, ones, clip_ratio_low=None, clip_ratio_high=0.2)
+
+
+def test_clip_ratio_none_is_fine_for_losses_without_clip():
+    log_prob, old = make_log_probs([[1.0]], [[-1.0]])
+    ones = torch.ones(1, 1)
+    loss, _ = compute_policy_loss("sapo", log_prob, old, ones, ones, clip_ratio_low=None, clip_ratio_high=None)
+    close(loss, -2.0)

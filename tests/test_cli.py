@@ -1,11 +1,8 @@
-"""The command line: train / sft / export, config errors, and `accelerate launch` with two processes."""
+"""The command line: train / sft / export and config errors (two processes: tests/test_distributed.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -75,16 +72,3 @@ def test_config_error_exit_code_and_message(project, capsys):
     assert main(["train", str(project / "config.yaml"), "worker.rollout.nn=3"]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'worker.rollout.nn'" in err and "worker.rollout.n" in err
-
-
-def test_accelerate_launch_two_processes(project, tmp_path):
-    run = tmp_path / "ddp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--cpu", "-m", "grouprl", "train", str(project / "config.yaml"),
-           f"trainer.output_dir={run}", "trainer.max_steps=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2]  # one writer, not one per process
-    assert (run / "checkpoints" / "global_step_2" / "trainer_state.json").exists()

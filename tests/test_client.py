@@ -152,6 +152,22 @@ def test_reward_contract_and_reward_set(live_server):
     assert result.components["reward_server"] == pytest.approx(rewards)
 
 
+def test_empty_references_are_skipped_counted_and_logged(live_server, caplog):
+    c = client(live_server)
+    expected = c(["p"] * 4, HYPS[:4], answer=REFS[:4])
+    assert c.skipped_empty_references == 0
+    answers = [REFS[0], "", REFS[2], " \n\t"]
+    with caplog.at_level("WARNING", logger="grouprl.rewards.client"):
+        rewards = c(["p"] * 4, HYPS[:4], answer=answers)  # the server would answer 400 to an empty ref
+    assert rewards[1] is None and rewards[3] is None
+    assert rewards[0] == pytest.approx(expected[0]) and rewards[2] == pytest.approx(expected[2])
+    assert c.skipped_empty_references == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "2 of 4" in warnings[0]
+    assert c(["p"], ["x"], answer=[""]) == [None]  # all rows empty: nothing sent at all
+    assert c.skipped_empty_references == 3  # cumulative over calls
+
+
 def test_batches_are_split_and_sent_concurrently(live_server):
     SLOW.sizes.clear()
     SLOW.peak, SLOW.delay = 0, 0.3

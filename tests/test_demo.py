@@ -1,22 +1,69 @@
 """`grouprl demo --quick` runs the whole pipeline and writes its outputs (the full demo's gain is in the README)."""
 
 import json
+import math
 
+import pytest
+import torch
+
+from grouprl import demo
 from grouprl.cli import main
 
 
-def test_quick_demo_end_to_end(tmp_path, capsys):
+def load_weights(model_dir):
+    from grouprl.models.loading import load_model_and_processor
+
+    model, _, _ = load_model_and_processor(str(model_dir))
+    return model.state_dict()
+
+
+def same_weights(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
+def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
+    # Each evaluation's result is tagged with the call that made it, and the weights it
+    # saw are kept, so the summary's rows can be traced back to the model they scored.
+    real_evaluate, seen = demo.evaluate, []
+
+    def evaluate(model, processor, samples, **kwargs):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {**real_evaluate(model, processor, samples, **kwargs), "evaluation_call": len(seen) - 1}
+
+    monkeypatch.setattr(demo, "evaluate", evaluate)
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for model in ("sft", "sft_grpo"):
         for key in ("mean_reward", "finding_f1_micro", "finding_f1_macro", "finding_f1_per_sample"):
             assert 0.0 <= summary[model][key] <= 1.0
-    assert summary["grpo_improved_finding_f1"] == (summary["sft_grpo"]["finding_f1_micro"] > summary["sft"]["finding_f1_micro"])
+
+    # GRPO moved the weights, by small steps (3 Adam steps at lr 1e-4) from the SFT model
+    steps = summary["sizes"]["grpo_steps"]
+    sft = load_weights(out / "sft_model")
+    grpo = load_weights(out / "grpo" / "checkpoints" / f"global_step_{steps}" / "model")
+    assert sft.keys() == grpo.keys()
+    changed = max((sft[k] - grpo[k]).abs().max().item() for k in sft)
+    assert 0.0 < changed < 1e-2
+    # and the summary's rows are the evaluations of those two models, not one copied
+    sft_row_scored_sft = same_weights(seen[summary["sft"]["evaluation_call"]], sft)
+    grpo_row_scored_grpo = same_weights(seen[summary["sft_grpo"]["evaluation_call"]], grpo)
+    assert sft_row_scored_sft and grpo_row_scored_grpo
+
+    # the training curve comes from GRPO's updates: every step had a learning signal and took a step
+    metrics = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    rollouts = [json.loads(x) for x in (out / "grpo" / "rollouts.jsonl").read_text().splitlines()]
+    per_step = summary["sizes"]["prompts_per_step"] * summary["sizes"]["n"]
+    for m in metrics:
+        step_rollouts = [r for r in rollouts if r["step"] == m["step"]]
+        assert len(step_rollouts) == per_step
+        assert m["reward/mean"] == pytest.approx(sum(r["score"] for r in step_rollouts) / per_step)
+        assert m["reward/std"] > 0 and any(abs(r["advantage"]) > 0 for r in step_rollouts)
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0 and m["actor/lr"] > 0
+
     png = out / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    metrics = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == summary["sizes"]["grpo_steps"]
     printed = capsys.readouterr().out
     assert "SFT+GRPO" in printed and "summary.json" in printed
     # the demo data went through the real loader in LLaVA format, with images on disk

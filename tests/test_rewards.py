@@ -32,6 +32,9 @@ COMPLETIONS = ["a", "bb", "ccc"]
 @pytest.fixture
 def clean_registry():
     """Registrations made by a test do not leak into the others."""
+    # Plugins first: a plugin imported during the test would be dropped by the restore
+    # below and, its module being imported already, never register its names again.
+    registry.load_plugins()
     saved = dict(registry._REGISTRY)
     yield
     registry._REGISTRY.clear()

@@ -135,37 +135,6 @@ def test_gradient_accumulation_matches_one_micro_batch(text_setup, tmp_path):
         torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-4, atol=1e-7)
 
 
-def test_kill_and_resume_matches_uninterrupted_run(text_setup, tmp_path):
-    steps = {"trainer.max_steps": 4, "trainer.save_freq": 2}
-    full = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "full", **steps)))
-    full.train()
-
-    cfg = text_config(text_setup, tmp_path / "killed", **steps)
-    killed = GRPOTrainer(config_from_dict(cfg))
-    original_step = killed.step
-
-    def dying_step(step):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return original_step(step)
-
-    killed.step = dying_step
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
-    assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "global_step_2"
-
-    resumed = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "killed", **steps,
-                                                         **{"trainer.resume": "auto"})))
-    resumed.train()
-    assert resumed.state.global_step == 4
-    want, got = params_of(full), params_of(resumed)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
-    full_metrics = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
-    killed_metrics = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["reward/mean"] for x in killed_metrics] == [json.loads(x)["reward/mean"] for x in full_metrics]
-
-
 def test_save_limit_prunes_old_checkpoints(text_setup, tmp_path):
     cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 3, "trainer.save_freq": 1,
                                                        "trainer.save_limit": 2})
@@ -285,3 +254,49 @@ def test_lora_with_trainable_modules_is_refused(text_setup, tmp_path):
                                                        "worker.actor.model.trainable_modules": ["lm_head"]})
     with pytest.raises(ConfigError, match="trainable_modules.*LoRA"):
         GRPOTrainer(config_from_dict(cfg))
+
+
+def test_each_policy_loss_gets_its_own_clip_range_from_the_config(text_setup, tmp_path):
+    from grouprl.trainer.grpo import policy_loss_options
+
+    cfg = config_from_dict(text_config(text_setup, tmp_path, **{
+        "worker.actor.gspo": {"clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4},
+        "worker.actor.cispo": {"clip_ratio_low": None, "clip_ratio_high": 4.0},
+        "worker.actor.sapo": {"tau_pos": 0.5, "tau_neg": 2.0}}))
+    actor = cfg.worker.actor
+    assert policy_loss_options("vanilla", actor) == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0}
+    assert policy_loss_options("gspo", actor) == policy_loss_options("gspo_token", actor) == {
+        "clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4}
+    assert policy_loss_options("cispo", actor) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
+    sapo = policy_loss_options("sapo", actor)
+    assert sapo["sapo_tau_pos"] == 0.5 and sapo["sapo_tau_neg"] == 2.0
+    # the defaults are each paper's: GSPO 3e-4 / 4e-4, CISPO capped above only (at ratio 5)
+    defaults = config_from_dict(text_config(text_setup, tmp_path)).worker.actor
+    assert policy_loss_options("gspo", defaults) == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert policy_loss_options("cispo", defaults) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo", "sapo"])
+def test_trainer_runs_each_loss_with_its_own_options(text_setup, tmp_path, loss):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1, "algorithm.policy_loss": loss,
+                                                       "worker.actor.ppo_epochs": 2})
+    metrics = GRPOTrainer(config_from_dict(cfg)).train()
+    assert metrics["actor/skipped_step"] == 0 and "actor/clipfrac" in metrics
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_follows_norm_adv_by_std(text_setup, tmp_path, norm):
+    from types import SimpleNamespace
+
+    from grouprl import algorithms
+    from grouprl.trainer.grpo import GRPOTrainer as Trainer
+
+    cfg = config_from_dict(text_config(text_setup, tmp_path, **{"algorithm.adv_estimator": "grpo_passk",
+                                                                 "algorithm.norm_adv_by_std_in_grpo": norm}))
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.2])
+    batch = SimpleNamespace(loss_mask=torch.ones(4, 3), group_index=torch.zeros(4, dtype=torch.long))
+    got = Trainer._advantages(SimpleNamespace(config=cfg), scores, batch, None)
+    want = algorithms.compute_advantages("grpo_passk", scores, batch.group_index, norm_by_std=norm,
+                                         response_mask=batch.loss_mask)
+    torch.testing.assert_close(got, want)
+    assert got[0, 0] == pytest.approx(0.5 / (float(scores.std()) + 1e-6) if norm else 0.5, rel=1e-5)

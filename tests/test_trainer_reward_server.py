@@ -79,3 +79,47 @@ def test_a_dead_server_stops_training_instead_of_scoring_zero(setup, tmp_path):
         trainer.train()
     assert isinstance(exc.value.__cause__, RewardServerError)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_empty_references_are_not_sent_and_training_goes_on(setup, live_server, tmp_path):
+    # Two of the four studies lose their reference report; the server would answer 400 to them.
+    data = tmp_path / "data.jsonl"
+    records = [json.loads(x) for x in setup["data"].read_text().splitlines()]
+    for r in records[::2]:
+        r["answer"] = "" if r is records[0] else "  \n"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "images").symlink_to(setup["data"].parent / "images")
+    cfg = config(setup, tmp_path / "run", live_server)
+    cfg["data"].update(train_files=[str(data)], rollout_batch_size=4)
+    cfg["worker"]["actor"]["global_batch_size"] = 4
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8
+    empty = [r for r in rollouts if not r["reference"].strip()]
+    assert len(empty) == 4 and all(r["rewards"]["reward_server"] is None for r in empty)
+    assert all(r["rewards"]["reward_server"] is not None for r in rollouts if r["reference"].strip())
+    client = next(c.fn for c in trainer.rewards.components if c.key == "reward_server")
+    assert client.skipped_empty_references == 4
+
+
+def test_rows_no_reward_applies_to_are_left_out_and_counted(setup, live_server, tmp_path):
+    """With the server as the only reward, an empty reference leaves its rows with no score at all."""
+    data = tmp_path / "data.jsonl"
+    records = [json.loads(x) for x in setup["data"].read_text().splitlines()]
+    records[0]["answer"] = ""
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "images").symlink_to(setup["data"].parent / "images")
+    cfg = config(setup, tmp_path / "run", live_server)
+    cfg["worker"]["reward"]["functions"] = []
+    cfg["data"].update(train_files=[str(data)], rollout_batch_size=4, shuffle=False)
+    cfg["worker"]["actor"]["global_batch_size"] = 4
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["reward/unscored_rows"] == 2  # the n=2 responses to the study without a reference
+    assert metrics["rewards/reward_server/applicable_frac"] == pytest.approx(6 / 8)
+    batch = trainer._last_batch
+    unscored = [i for i, r in enumerate(batch.reward_components["reward_server"]) if r is None]
+    assert len(unscored) == 2 and not batch.loss_mask[unscored].any()  # not trained on
+    assert batch.loss_mask[[i for i in range(len(batch)) if i not in unscored]].any()

@@ -9,6 +9,9 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
   seq-mean-token-mean, seq-mean-token-sum-norm;
 - ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
 
+Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
+``dense_group_index`` turns any of them into dense long group numbers.
+
 Plug in a new one with ``register_advantage_estimator``, ``register_policy_loss``,
 ``register_loss_agg_mode`` or ``register_kl_estimator``.
 """
@@ -16,6 +19,7 @@ Plug in a new one with ``register_advantage_estimator``, ``register_policy_loss`
 from grouprl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
+    dense_group_index,
     group_statistics,
     masked_whiten,
     register_advantage_estimator,
@@ -39,6 +43,7 @@ __all__ = [
     "aggregate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "dense_group_index",
     "filter_groups",
     "group_statistics",
     "kl_penalty",

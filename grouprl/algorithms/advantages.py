@@ -9,13 +9,23 @@ by name in ``ADVANTAGE_ESTIMATORS``. Outcome estimators return one advantage per
 response, shape [B]; ``compute_advantages`` broadcasts it to the tokens when a
 ``response_mask`` is given. Token-level estimators declare a ``response_mask``
 parameter and return [B, R] themselves.
+
+Group ids may be a torch tensor of any integer dtype, a list or tuple of ints, a numpy
+array of ints, or strings (a list or numpy array of str, e.g. verl's uids); see
+``dense_group_index``. ``compute_advantages`` hands estimators dense long group numbers.
+
+Statistics are computed in float64 and results returned in the scores' floating dtype
+(the default dtype for integer scores). In float32 the mean of a group of equal scores
+such as 0.7 is off by a rounding error, and dividing that residue by an equally tiny std
+gave a visible advantage to a group with no reward spread at all.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,37 +53,116 @@ def register_advantage_estimator(
 
 
 # ---------------------------------------------------------------------------
+# Group ids
+# ---------------------------------------------------------------------------
+
+_GROUP_ID_KINDS = "a torch integer tensor, a list/tuple or numpy array of ints, or a list/numpy array of str"
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but True/False as group ids is almost surely a mask passed by mistake.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _ids_as_numpy(group_index: Any) -> np.ndarray:
+    """Integer or string ids of a list, tuple or numpy array as a numpy array; TypeError otherwise."""
+    if isinstance(group_index, np.ndarray):
+        if group_index.dtype.kind in "iuU" or group_index.size == 0:
+            return group_index
+        if group_index.dtype.kind != "O":
+            raise TypeError(f"group_index must be {_GROUP_ID_KINDS}; got a numpy array of dtype {group_index.dtype}")
+        values = group_index.ravel().tolist()
+    elif isinstance(group_index, (list, tuple)):
+        values = list(group_index)
+    else:
+        raise TypeError(f"group_index must be {_GROUP_ID_KINDS}; got {type(group_index).__name__}")
+    # Checked element by element: numpy would silently turn [1, "a"] into strings and [1, 2.5] into floats.
+    if all(_is_int(v) for v in values):
+        return np.asarray(values, dtype=np.int64).reshape(np.shape(group_index))
+    if all(isinstance(v, str) for v in values):
+        return np.asarray(values, dtype=object).reshape(np.shape(group_index))
+    kinds = sorted({type(v).__name__ for v in values})
+    raise TypeError(f"group_index must be {_GROUP_ID_KINDS}; got elements of type {', '.join(kinds)}")
+
+
+def dense_group_index(
+    group_index: Any, num_rows: int | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Any accepted kind of group ids as dense group numbers: LongTensor [B], values 0 .. G-1.
+
+    g_i = rank of row i's id among the distinct ids in sorted order, so two rows share a
+    number exactly when they share an id. Accepted: a torch tensor of any integer dtype, a
+    list or tuple of ints, a numpy array of ints, a list or numpy array (str or object
+    dtype) of str. TypeError for anything else (floats, bools, mixed ints and strings);
+    ValueError when the ids are not one-dimensional or their count is not ``num_rows``.
+    The result is on ``device`` (default: the input tensor's device, else the CPU).
+    """
+    if isinstance(group_index, Tensor):
+        if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
+            raise TypeError(f"group_index must be {_GROUP_ID_KINDS}; got a torch tensor of dtype {group_index.dtype}")
+        ids: Tensor | np.ndarray = group_index
+    else:
+        ids = _ids_as_numpy(group_index)
+    if ids.ndim != 1:
+        raise ValueError(f"group_index must be one-dimensional ([B]); got shape {tuple(ids.shape)}")
+    if num_rows is not None and ids.shape[0] != num_rows:
+        raise ValueError(f"group_index has {ids.shape[0]} ids but scores has {num_rows} rows")
+    if isinstance(ids, Tensor):
+        dense = torch.unique(ids, return_inverse=True)[1] if ids.numel() else ids.new_zeros(0)
+        return dense.to(device=device if device is not None else ids.device, dtype=torch.long)
+    dense_np = np.unique(ids, return_inverse=True)[1] if ids.size else np.zeros(0, dtype=np.int64)
+    return torch.as_tensor(dense_np.reshape(-1).astype(np.int64), device=device)
+
+
+# ---------------------------------------------------------------------------
 # Group statistics
 # ---------------------------------------------------------------------------
 
 
-def group_statistics(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _result_dtype(scores: Tensor) -> torch.dtype:
+    return scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
+
+
+def _prepare(scores: Tensor, group_index: Any) -> tuple[Tensor, Tensor, torch.dtype]:
+    """(scores in float64, dense group numbers, dtype of the result) after checking shapes."""
+    if scores.dim() != 1:
+        raise ValueError(f"scores must have shape [B]; got {tuple(scores.shape)}")
+    dense = dense_group_index(group_index, scores.shape[0], device=scores.device)
+    return scores.to(torch.float64), dense, _result_dtype(scores)
+
+
+def _group_moments(scores64: Tensor, dense: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 (mean_g, std_g, n_g) of each row's group, [B] each (formulas on ``group_statistics``)."""
+    num_groups = int(dense.max()) + 1 if dense.numel() else 0
+
+    def per_group_sum(values: Tensor) -> Tensor:
+        return torch.zeros(num_groups, dtype=torch.float64, device=scores64.device).index_add_(0, dense, values)
+
+    count = per_group_sum(torch.ones_like(scores64))
+    # In float64 a sum of n equal float32 (or lower) values is exact for any realistic n, so
+    # mean_g of a group of equal scores is the score itself and its std exactly 0.
+    mean = per_group_sum(scores64) / count
+    # Two-pass variance: subtracting the mean first avoids the cancellation of E[x^2] - E[x]^2.
+    sum_squared = per_group_sum((scores64 - mean[dense]) ** 2)
+    std = torch.where(count > 1, (sum_squared / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(count))
+    return mean[dense], std[dense], count[dense]
+
+
+def group_statistics(
+    scores: Tensor, group_index: Any, *, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row statistics of the row's group: (mean_g, std_g, n_g), each shape [B].
 
     mean_g = sum_{j in g} R_j / n_g
     std_g  = sqrt(sum_{j in g} (R_j - mean_g)^2 / (n_g - 1))   (unbiased, like torch.std)
              and 0 for a group of size 1 (where the unbiased estimate is undefined).
-    Group ids may be any integers; they need not be contiguous or sorted.
+    Group ids: any kind ``dense_group_index`` accepts; they need not be contiguous or sorted.
+    Computed in float64, returned in ``dtype`` (default: the scores' floating dtype, or the
+    default dtype for integer scores); a group of equal scores has std exactly 0.
     """
-    if scores.dim() != 1 or group_index.shape != scores.shape:
-        raise ValueError(
-            f"scores and group_index must both have shape [B]; got {tuple(scores.shape)} and {tuple(group_index.shape)}"
-        )
-    _, dense = torch.unique(group_index, return_inverse=True)
-    num_groups = int(dense.max()) + 1 if dense.numel() else 0
-    def per_group_sum(values: Tensor) -> Tensor:
-        return torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, dense, values)
-
-    count = per_group_sum(torch.ones_like(scores))
-    mean = per_group_sum(scores) / count
-    # Two-pass variance: subtracting the mean first avoids the cancellation of E[x^2] - E[x]^2.
-    sum_squared = per_group_sum((scores - mean[dense]) ** 2)
-    std = torch.where(count > 1, (sum_squared / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(count))
-    return mean[dense], std[dense], count[dense]
-
-
-def _as_float(scores: Tensor) -> Tensor:
-    return scores if scores.is_floating_point() else scores.to(torch.get_default_dtype())
+    scores64, dense, result_dtype = _prepare(scores, group_index)
+    out = dtype if dtype is not None else result_dtype
+    return tuple(stat.to(out) for stat in _group_moments(scores64, dense))
 
 
 def _check_token_shape(name: str, tensor: Tensor, scores: Tensor) -> None:
@@ -82,18 +171,21 @@ def _check_token_shape(name: str, tensor: Tensor, scores: Tensor) -> None:
 
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
-    """Whiten ``values`` over the positions where ``mask`` is 1, zero elsewhere.
+    """Whiten ``values`` over the positions where ``mask`` is nonzero, exactly 0 elsewhere.
 
     out = (x - mu) / (sigma + eps) * m,  mu = sum(x m)/sum(m),
     sigma = sqrt(sum((x - mu)^2 m) / (sum(m) - 1))   (unbiased; 0 when sum(m) < 2).
+    Computed in float64, returned in the values' floating dtype. Masked positions are
+    selected away, not multiplied by 0, so nan or inf there never reach the statistics.
     """
-    mask = mask.to(values.dtype)
-    count = mask.sum()
-    mean = (values * mask).sum() / count.clamp(min=1)
-    centred = (values - mean) * mask
+    valid = mask != 0
+    x = torch.where(valid, values.to(torch.float64), 0.0)
+    count = valid.sum().to(torch.float64)
+    mean = x.sum() / count.clamp(min=1)
+    centred = torch.where(valid, x - mean, 0.0)
     var = (centred**2).sum() / (count - 1).clamp(min=1)
     std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
-    return centred / (std + eps)
+    return (centred / (std + eps)).to(_result_dtype(values))
 
 
 # ---------------------------------------------------------------------------
@@ -102,48 +194,47 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
 
 
 @register_advantage_estimator("grpo")
-def grpo_advantages(scores: Tensor, group_index: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO: A_i = (R_i - mean_g) / (std_g + eps); with ``norm_by_std=False`` (Dr. GRPO) A_i = R_i - mean_g.
 
     A group of size 1 gets A_i = 0: its mean is its own score and its std is taken as 1
-    (so that 0 stays 0 even with eps = 0).
+    (so that 0 stays 0 even with eps = 0). A group of equal scores gets exactly 0.
     Dr. GRPO pairs ``norm_by_std=False`` with loss_agg_mode ``seq-mean-token-sum-norm``.
     """
-    scores = _as_float(scores)
-    mean, std, count = group_statistics(scores, group_index)
-    centred = scores - mean
-    if not norm_by_std:
-        return centred
-    return centred / (torch.where(count > 1, std, torch.ones_like(std)) + eps)
+    x, dense, dtype = _prepare(scores, group_index)
+    mean, std, count = _group_moments(x, dense)
+    centred = x - mean
+    if norm_by_std:
+        centred = centred / (torch.where(count > 1, std, torch.ones_like(std)) + eps)
+    return centred.to(dtype)
 
 
 @register_advantage_estimator("rloo")
-def rloo_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
+def rloo_advantages(scores: Tensor, group_index: Any) -> Tensor:
     """RLOO: A_i = R_i - sum_{j in g, j != i} R_j / (n_g - 1) = n_g / (n_g - 1) * (R_i - mean_g).
 
     A group of size 1 has no other responses to compare with and gets A_i = 0.
     """
-    scores = _as_float(scores)
-    mean, _, count = group_statistics(scores, group_index)
+    x, dense, dtype = _prepare(scores, group_index)
+    mean, _, count = _group_moments(x, dense)
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return scale * (scores - mean)
+    return (scale * (x - mean)).to(dtype)
 
 
 @register_advantage_estimator("remax")
-def remax_advantages(scores: Tensor, group_index: Tensor, *, baseline_scores: Tensor) -> Tensor:
+def remax_advantages(scores: Tensor, group_index: Any, *, baseline_scores: Tensor) -> Tensor:
     """ReMax: A_i = R_i - b_i, b_i = reward of the greedy response to row i's prompt (``baseline_scores`` [B]).
 
     ``group_index`` is not needed by the formula; it is accepted to keep one estimator signature.
     """
-    scores = _as_float(scores)
     if baseline_scores.shape != scores.shape:
         raise ValueError(f"baseline_scores must have shape {tuple(scores.shape)}; got {tuple(baseline_scores.shape)}")
-    return scores - baseline_scores.to(scores.dtype)
+    return (scores.to(torch.float64) - baseline_scores.to(torch.float64)).to(_result_dtype(scores))
 
 
 @register_advantage_estimator("grpo_passk")
 def grpo_passk_advantages(
-    scores: Tensor, group_index: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+    scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """Pass@k GRPO: only the best response of each group is credited.
 
@@ -151,24 +242,23 @@ def grpo_passk_advantages(
     every other response A_i = 0. Ties for the best go to the lowest row index, and then
     R_max - R_second = 0. A group of size 1 has no second response and gets 0.
     """
-    scores = _as_float(scores)
-    _, std, _ = group_statistics(scores, group_index)
-    _, dense = torch.unique(group_index, return_inverse=True)
+    x, dense, dtype = _prepare(scores, group_index)
+    _, std, _ = _group_moments(x, dense)
     # Sort by score descending, then (stably) by group: each group becomes a contiguous
     # run ordered best-first, with ties kept in row order.
-    by_score = torch.argsort(scores, descending=True, stable=True)
+    by_score = torch.argsort(x, descending=True, stable=True)
     order = by_score[torch.argsort(dense[by_score], stable=True)]
     sizes = torch.bincount(dense)
     starts = torch.cumsum(sizes, 0) - sizes
     has_second = sizes > 1
     best_rows = order[starts[has_second]]
     second_rows = order[starts[has_second] + 1]
-    gap = scores[best_rows] - scores[second_rows]
+    gap = x[best_rows] - x[second_rows]
     if norm_by_std:
         gap = gap / (std[best_rows] + eps)
-    advantages = torch.zeros_like(scores)
+    advantages = torch.zeros_like(x)
     advantages[best_rows] = gap
-    return advantages
+    return advantages.to(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -179,47 +269,60 @@ def grpo_passk_advantages(
 @register_advantage_estimator("reinforce_plus_plus")
 def reinforce_plus_plus_advantages(
     scores: Tensor,
-    group_index: Tensor,
+    group_index: Any,
     *,
     response_mask: Tensor,
     token_rewards: Tensor | None = None,
     gamma: float = 1.0,
     eps: float = 1e-6,
 ) -> Tensor:
-    """REINFORCE++: whitened discounted token returns.
+    """REINFORCE++: whitened discounted token returns, time counted in valid tokens only.
 
-    r_t = token_rewards_t + [t = last valid token] * R_i        (masked tokens carry no reward)
-    G_t = sum_{k >= t} gamma^(k - t) r_k
-    A_t = whiten(G) over all valid tokens of the batch (see ``masked_whiten``).
+    r_t = token_rewards_t + [t = last valid token] * R_i      on valid tokens (m_t = 1)
+    G_t = r_t + gamma * G_next(t),  next(t) = the next VALID position after t (G = 0 past the end)
+        = sum over valid k >= t of gamma^(number of valid tokens in [t, k) ) r_k
+    A_t = whiten(G) over all valid tokens of the batch (see ``masked_whiten``), 0 where m_t = 0.
+
+    A masked position inside a response (a hole: template tokens between turns, edited
+    spans) is not a time step: the running return passes through it unchanged, with no
+    discount and no reward (a token reward placed there is dropped, like one on padding).
+    With gamma = 1 holes make no difference.
+
+    verl's ``compute_reinforce_plus_plus_outcome_advantage`` (core_algos.py, checked Jan 2026)
+    instead runs G_t = r_t + gamma * G_{t+1} over every position and multiplies the running
+    return by m_t after each step ("reset after EOS"), so a hole cuts the return: tokens
+    before it get none of the reward after it. For responses whose mask is 1 up to EOS
+    and 0 after (no holes) both give the same returns; this version carries the return
+    across holes, as the REINFORCE++ return over the policy's own tokens intends.
     KL-in-reward enters as ``token_rewards = -beta * kl_penalty(...)``.
     ``group_index`` is not used: the baseline is the batch mean, not the group mean.
     """
-    scores = _as_float(scores)
     _check_token_shape("response_mask", response_mask, scores)
-    mask = response_mask.to(scores.dtype)
-    rewards = torch.zeros_like(mask)
+    x = scores.to(torch.float64)
+    valid = response_mask != 0
+    rewards = torch.zeros(valid.shape, dtype=torch.float64, device=x.device)
     if token_rewards is not None:
         _check_token_shape("token_rewards", token_rewards, scores)
-        rewards = rewards + token_rewards.to(scores.dtype)
-    rewards = rewards * mask
-    lengths = response_mask.to(torch.long).sum(-1)
-    positions = torch.arange(mask.shape[-1], device=mask.device)
+        # Selected, not multiplied by the mask: a nan or inf reward on a masked token must not leak.
+        rewards = torch.where(valid, token_rewards.to(torch.float64), 0.0)
+    positions = torch.arange(valid.shape[-1], device=valid.device)
     # Last valid token by position, so masks with holes (e.g. edited spans) still work.
-    last = torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).amax(-1)
-    rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-    rewards[rows, last[rows]] += scores[rows]
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(-1) if valid.shape[-1] else None
+    rows = torch.nonzero(valid.any(-1), as_tuple=True)[0]
+    if last is not None:
+        rewards[rows, last[rows]] += x[rows]
 
     returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(scores)
+    running = torch.zeros_like(x)
     for t in range(rewards.shape[-1] - 1, -1, -1):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-    return masked_whiten(returns, mask, eps)
+    return masked_whiten(returns, valid, eps).to(_result_dtype(scores))
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
-    scores: Tensor, group_index: Tensor, *, response_mask: Tensor, eps: float = 1e-6
+    scores: Tensor, group_index: Any, *, response_mask: Tensor, eps: float = 1e-6
 ) -> Tensor:
     """REINFORCE++ with a group baseline.
 
@@ -227,11 +330,12 @@ def reinforce_plus_plus_baseline_advantages(
     A_t = whiten(a) over all valid tokens of the batch (see ``masked_whiten``),
     so long responses weigh more in the batch statistics, as in token-level whitening.
     """
-    scores = _as_float(scores)
+    x, dense, dtype = _prepare(scores, group_index)
     _check_token_shape("response_mask", response_mask, scores)
-    mean, _, _ = group_statistics(scores, group_index)
-    mask = response_mask.to(scores.dtype)
-    return masked_whiten((scores - mean).unsqueeze(-1) * mask, mask, eps)
+    mean, _, _ = _group_moments(x, dense)
+    valid = response_mask != 0
+    centred = torch.where(valid, (x - mean).unsqueeze(-1), 0.0)
+    return masked_whiten(centred, valid, eps).to(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -239,14 +343,18 @@ def reinforce_plus_plus_baseline_advantages(
 # ---------------------------------------------------------------------------
 
 
-def compute_advantages(name: str, scores: Tensor, group_index: Tensor, **options) -> Tensor:
-    """Advantages by estimator name: ``ADVANTAGE_ESTIMATORS[name](scores, group_index, **options)``.
+def compute_advantages(name: str, scores: Tensor, group_index: Any, **options) -> Tensor:
+    """Advantages by estimator name: ``ADVANTAGE_ESTIMATORS[name](scores, g, **options)``.
 
-    Returns [B, R] (zero on masked tokens) when ``response_mask`` [B, R] is given, else [B].
-    Outcome advantages are broadcast as A_{i,t} = A_i * m_{i,t}. Token-level estimators
-    (``reinforce_plus_plus*``) require ``response_mask``.
-    Raises ValueError for an unknown name or a missing required option, and TypeError
-    for an option the estimator does not take.
+    g = ``dense_group_index(group_index)``: group ids of any accepted kind (integer tensor,
+    list or numpy array of ints, list or numpy array of str) become dense long group numbers
+    once, here, so every estimator (registered ones too) sees a LongTensor [B].
+    Returns [B, R] (exactly zero on masked tokens) when ``response_mask`` [B, R] is given,
+    else [B]. Outcome advantages are broadcast as A_{i,t} = A_i where m_{i,t} != 0, else 0.
+    Token-level estimators (``reinforce_plus_plus*``) require ``response_mask``.
+    Raises ValueError for an unknown name, a missing required option or a group_index of
+    the wrong length, and TypeError for an option the estimator does not take or an
+    unsupported kind of group_index.
     """
     if name not in ADVANTAGE_ESTIMATORS:
         valid_names = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
@@ -266,11 +374,13 @@ def compute_advantages(name: str, scores: Tensor, group_index: Tensor, **options
     missing = sorted(p for p in accepted if params[p].default is inspect.Parameter.empty and options.get(p) is None)
     if missing:
         raise ValueError(f"advantage estimator {name!r} needs option(s): {', '.join(missing)}")
+    num_rows = scores.shape[0] if scores.dim() == 1 else None
+    group_index = dense_group_index(group_index, num_rows, device=scores.device)
 
     advantages = fn(scores, group_index, **options)
     if token_level:
-        return advantages * options["response_mask"].to(advantages.dtype)
+        return torch.where(options["response_mask"] != 0, advantages, 0.0)
     if response_mask is None:
         return advantages
     _check_token_shape("response_mask", response_mask, advantages)
-    return advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
+    return torch.where(response_mask != 0, advantages.unsqueeze(-1), 0.0)

@@ -50,12 +50,25 @@ def _nonzero(denominator: float | Tensor) -> float | Tensor:
     return denominator if denominator != 0 else 1
 
 
+def _masked(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    """L M where M != 0 and exactly 0 elsewhere, even where L is nan or inf.
+
+    Selected rather than multiplied: nan * 0 and inf * 0 are nan, and the loss at padding or
+    template positions is computed from log-probs nobody promised to be finite. The
+    gradient there is 0 as well; callers that compute L from such inputs must still
+    sanitise those inputs, since an upstream op can turn that 0 into nan (0 * nan in
+    exp's backward), see ``compute_policy_loss``.
+    """
+    mask = mask.to(loss_mat.dtype)
+    return torch.where(mask != 0, loss_mat * mask, torch.zeros_like(loss_mat))
+
+
 @register_loss_agg_mode("token-mean")
 def token_mean(loss_mat: Tensor, mask: Tensor, *, num_tokens: float | None = None) -> Tensor:
     """sum(L M) / N, N = ``num_tokens`` if given, else sum(M); 0 when N = 0."""
     mask = mask.to(loss_mat.dtype)
     denominator = mask.sum() if num_tokens is None else num_tokens
-    return (loss_mat * mask).sum() / _nonzero(denominator)
+    return _masked(loss_mat, mask).sum() / _nonzero(denominator)
 
 
 @register_loss_agg_mode("seq-mean-token-sum")
@@ -63,7 +76,7 @@ def seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, *, num_seqs: float | None
     """sum_i sum_t (L M)_{i,t} / S, S = ``num_seqs`` if given, else B."""
     mask = mask.to(loss_mat.dtype)
     denominator = loss_mat.shape[0] if num_seqs is None else num_seqs
-    return (loss_mat * mask).sum() / _nonzero(denominator)
+    return _masked(loss_mat, mask).sum() / _nonzero(denominator)
 
 
 @register_loss_agg_mode("seq-mean-token-mean")
@@ -75,7 +88,7 @@ def seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, *, num_seqs: float | Non
     The recommended mode for GSPO, whose objective is a mean of per-sequence terms.
     """
     mask = mask.to(loss_mat.dtype)
-    per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_seq = _masked(loss_mat, mask).sum(-1) / mask.sum(-1).clamp(min=1)
     denominator = loss_mat.shape[0] if num_seqs is None else num_seqs
     return per_seq.sum() / _nonzero(denominator)
 
@@ -91,7 +104,7 @@ def seq_mean_token_sum_norm(
     mask = mask.to(loss_mat.dtype)
     seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
     length = loss_mat.shape[-1] if norm_len is None else norm_len
-    return (loss_mat * mask).sum() / _nonzero(seqs * length)
+    return _masked(loss_mat, mask).sum() / _nonzero(seqs * length)
 
 
 def aggregate_loss(
@@ -107,6 +120,8 @@ def aggregate_loss(
 
     ``num_tokens`` / ``num_seqs`` / ``norm_len`` are the mini-batch totals that make the sum of
     micro-batch values equal the whole-batch value (see the module docstring).
+    Positions where the mask is 0 contribute exactly 0 to the value and the gradient, even
+    when L is nan or inf there (the built-in modes select them away instead of multiplying).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(sorted(LOSS_AGG_MODES))}")

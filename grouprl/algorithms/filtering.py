@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from grouprl.algorithms.advantages import group_statistics
 
 
-def reward_std_per_group(scores: Tensor, group_index: Tensor) -> Tensor:
+def reward_std_per_group(scores: Tensor, group_index: Any) -> Tensor:
     """std_g of each row's group, shape [B]: unbiased, and 0 for a group of size 1.
 
     ``(reward_std_per_group(...) == 0).float().mean()`` is the ``frac_reward_zero_std``
     health metric: the share of responses whose group gives GRPO no learning signal.
+    Computed in float64 (see ``group_statistics``), so a group of equal scores has std
+    exactly 0 even when float32 rounding makes its float32 mean differ from the scores.
+    Group ids: any kind ``dense_group_index`` accepts (tensor, list, numpy array, strings).
     """
-    scores = scores if scores.is_floating_point() else scores.to(torch.get_default_dtype())
     return group_statistics(scores, group_index)[1]
 
 
-def filter_groups(scores: Tensor, group_index: Tensor, *, min_std: float = 0.0) -> Tensor:
+def filter_groups(scores: Tensor, group_index: Any, *, min_std: float = 0.0) -> Tensor:
     """Rows to keep, BoolTensor [B]: keep_i = std_g(i) > ``min_std``.
 
     ``min_std=0`` drops groups whose rewards are all equal (DAPO dynamic sampling: their
     group-relative advantages are all 0); CheXPO-v2 uses 0.06. A group of size 1 has
-    std 0 and is always dropped.
+    std 0 and is always dropped. std_g is compared in float64, so neither a float32
+    rounding residue nor float32 rounding of a std near ``min_std`` decides the outcome.
     """
-    return reward_std_per_group(scores, group_index) > min_std
+    return group_statistics(scores, group_index, dtype=torch.float64)[1] > min_std
 
 
 def overlong_penalty(

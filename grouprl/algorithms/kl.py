@@ -59,8 +59,20 @@ def kl_k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
     return (torch.exp(neg_delta) - neg_delta - 1).clamp(-10.0, 10.0)
 
 
-def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate ``KL_ESTIMATORS[kind](log_prob, ref_log_prob)``, same shape as the inputs."""
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str, *, response_mask: Tensor | None = None) -> Tensor:
+    """Per-token KL estimate ``KL_ESTIMATORS[kind](log_prob, ref_log_prob)``, same shape as the inputs.
+
+    With ``response_mask``: KL_t where m_t != 0, exactly 0 where m_t = 0, and the log-probs at
+    masked positions are never read. They are replaced by 0 before the estimator runs, so a
+    nan or inf there (padding, template tokens) reaches neither the value nor the gradient;
+    masking the result afterwards would not save the gradient (k3's exp backward: 0 * nan).
+    """
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(sorted(KL_ESTIMATORS))}")
-    return KL_ESTIMATORS[kind](log_prob, ref_log_prob)
+    if response_mask is None:
+        return KL_ESTIMATORS[kind](log_prob, ref_log_prob)
+    if response_mask.shape != log_prob.shape:
+        raise ValueError(f"response_mask must have shape {tuple(log_prob.shape)}; got {tuple(response_mask.shape)}")
+    valid = response_mask != 0
+    kl = KL_ESTIMATORS[kind](torch.where(valid, log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0))
+    return torch.where(valid, kl, 0.0)

@@ -8,7 +8,14 @@ Every loss is a pure function registered by name in ``POLICY_LOSSES``:
 ``fn(log_prob, old_log_prob, advantages, response_mask, *, <options>) -> PolicyLossTerms``.
 It receives those of ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_dual`` that it
 declares, plus its own options; ``compute_policy_loss`` aggregates the per-token loss and
-computes the metrics.
+computes the metrics. A clip option declared with default None may be None (that bound is
+off, e.g. CISPO's lower cap); one declared without a default must be a number.
+
+Masked positions (padding, template tokens of multi-turn responses) may hold nan or inf
+log-probs or advantages. ``compute_policy_loss`` replaces them by 0 before calling the loss
+and aggregation selects them away, so they reach neither the loss nor its gradient: a
+select on the output alone would not do, as exp's backward turns the 0 gradient of a
+masked position back into nan (0 * exp(nan)).
 """
 
 from __future__ import annotations
@@ -109,11 +116,18 @@ def vanilla_policy_loss(
     return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high, dual_clipped)
 
 
+def _select_valid(values: Tensor, response_mask: Tensor) -> Tensor:
+    """values where m != 0, exactly 0 elsewhere; the gradient at masked positions is 0, never nan."""
+    return torch.where(response_mask != 0, values, torch.zeros_like(values))
+
+
 def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> Tensor:
     """log s_i = sum_t m_t d_t / sum_t m_t, shape [B] (0 for a row with no valid token)."""
     mask = response_mask.to(log_prob.dtype)
-    # Masking d (not log_prob) keeps padding positions, whose log-probs are arbitrary, out of the sum.
-    return (clamped_log_ratio(log_prob, old_log_prob) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    # Padding log-probs are arbitrary, even nan or inf: select them away before d is formed,
+    # since multiplying d by m would give nan (and a nan gradient) for them.
+    log_ratio = clamped_log_ratio(_select_valid(log_prob, response_mask), _select_valid(old_log_prob, response_mask))
+    return (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
 @register_policy_loss("gspo")
@@ -170,19 +184,23 @@ def cispo_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float,
+    clip_ratio_low: float | None = None,
     clip_ratio_high: float,
 ) -> PolicyLossTerms:
     """CISPO: l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log_prob.
 
     The importance weight is clipped and detached instead of the update, so every token
-    keeps a gradient (REINFORCE with a capped weight). ``clipped_*`` mark tokens whose
-    weight hit a bound, whatever the sign of A.
+    keeps a gradient (REINFORCE with a capped weight). ``clip_ratio_low=None`` (the default)
+    means no lower cap, l = -sg(min(r, 1 + eps_high)) * A * log_prob: CISPO usually caps
+    only above, e.g. at r = 5 (``clip_ratio_high=4.0``). ``clipped_*`` mark tokens whose
+    weight hit a bound, whatever the sign of A (``clipped_low`` is all False without a lower cap).
     """
     ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob)).detach()
-    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    low = None if clip_ratio_low is None else 1 - clip_ratio_low
+    weight = ratio.clamp(min=low, max=1 + clip_ratio_high)
     loss = -weight * advantages * log_prob
-    return PolicyLossTerms(loss, ratio, ratio < 1 - clip_ratio_low, ratio > 1 + clip_ratio_high)
+    clipped_low = torch.zeros_like(ratio, dtype=torch.bool) if low is None else ratio < low
+    return PolicyLossTerms(loss, ratio, clipped_low, ratio > 1 + clip_ratio_high)
 
 
 @register_policy_loss("sapo")
@@ -213,8 +231,30 @@ def sapo_policy_loss(
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    # Selected, not multiplied: a custom loss may leave nan in its terms at masked positions.
     mask = mask.to(torch.float64)
-    return float((values.detach().to(torch.float64) * mask).sum() / mask.sum().clamp(min=1))
+    selected = torch.where(mask != 0, values.detach().to(torch.float64) * mask, 0.0)
+    return float(selected.sum() / mask.sum().clamp(min=1))
+
+
+def _check_clip_options(name: str, declared, clip: dict[str, float | None]) -> dict[str, float | None]:
+    """The clip options the loss declares; ValueError for a None the loss cannot take.
+
+    A loss accepts None for a clip option exactly when it declares that option with default
+    None (the bound is then off); one declared without a default needs a number.
+    """
+    kwargs = {k: v for k, v in clip.items() if k in declared}
+    for key, value in kwargs.items():
+        if value is None and declared[key].default is not None:
+            optional = sorted(
+                other for other, fn in POLICY_LOSSES.items()
+                if getattr(inspect.signature(fn).parameters.get(key), "default", inspect.Parameter.empty) is None
+            )
+            raise ValueError(
+                f"policy loss {name!r} needs a number for {key}, got None; None (no such bound) is accepted only by: "
+                + (", ".join(optional) or "none")
+            )
+    return kwargs
 
 
 def compute_policy_loss(
@@ -224,8 +264,8 @@ def compute_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float | None,
+    clip_ratio_high: float | None,
     clip_ratio_dual: float | None = None,
     loss_agg_mode: str = "token-mean",
     **options,
@@ -236,7 +276,14 @@ def compute_policy_loss(
     the mini-batch totals when accumulating gradients over micro-batches, see
     ``aggregation``) and the loss's own options (e.g. ``sapo_tau_pos``); an option neither
     takes raises TypeError. The clip ratios are passed only to losses that declare them
-    (``clip_ratio_dual`` is used by ``vanilla`` alone; ``sapo`` has no clip).
+    (``clip_ratio_dual`` is used by ``vanilla`` alone; ``sapo`` has no clip). A clip ratio
+    may be None (no such bound) only for a loss that declares it with default None:
+    ``clip_ratio_low=None`` works for ``cispo`` and raises ValueError naming the loss for
+    ``vanilla``, ``gspo`` and ``gspo_token``.
+
+    log_prob, old_log_prob and advantages are replaced by 0 where the mask is 0 before the
+    loss sees them, so nan or inf there (padding, template tokens) leave the loss, its
+    gradient (0 at those positions) and the metrics finite.
 
     Metrics (python floats, means over valid tokens of this call's batch):
     ``clipfrac`` fraction of tokens where any clip bound is active (for PPO-style losses,
@@ -263,7 +310,12 @@ def compute_policy_loss(
         valid = ", ".join(own + list(AGGREGATION_OPTIONS))
         raise TypeError(f"policy loss {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {valid}")
     clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_dual": clip_ratio_dual}
-    kwargs = {k: v for k, v in clip.items() if k in declared}
+    kwargs = _check_clip_options(name, declared, clip)
+    # Sanitise the inputs, not just the output: a select on the loss still lets nan into the
+    # gradient through the ops that produced it (exp's backward: 0 * exp(nan) = nan).
+    log_prob = _select_valid(log_prob, response_mask)
+    old_log_prob = _select_valid(old_log_prob, response_mask)
+    advantages = _select_valid(advantages, response_mask)
     terms = fn(log_prob, old_log_prob, advantages, response_mask, **kwargs, **options)
 
     loss = aggregate_loss(terms.loss, response_mask, loss_agg_mode, **agg_options)

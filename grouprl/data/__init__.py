@@ -2,7 +2,7 @@
 
 from grouprl.data.formats import FORMATS, DataError
 from grouprl.data.images import open_image, resize_to_pixel_range
-from grouprl.data.loading import SampleDataset, load_samples, samples_from_records
+from grouprl.data.loading import SampleDataset, load_datasets, load_samples, samples_from_records
 from grouprl.data.sample import Sample
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "DataError",
     "Sample",
     "SampleDataset",
+    "load_datasets",
     "load_samples",
     "open_image",
     "resize_to_pixel_range",

@@ -152,6 +152,21 @@ def load_samples(
     return reader.dataset(", ".join(os.fspath(p) for p in path_list), id_key=id_key)
 
 
+def load_datasets(data) -> tuple[SampleDataset, SampleDataset | None]:
+    """The training and validation datasets named by a ``data`` config section (``DataConfig``)."""
+    if not data.train_files:
+        from grouprl.config import ConfigError
+
+        raise ConfigError("config key 'data.train_files' is empty: name at least one training file")
+    common = dict(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                  image_key=data.image_key, image_dir=data.image_dir, min_pixels=data.min_pixels,
+                  max_pixels=data.max_pixels, system_prompt=data.system_prompt,
+                  skip_bad_records=data.skip_bad_records, id_key=data.id_key)
+    train = load_samples(data.train_files, max_samples=data.max_samples, **common)
+    val = load_samples(data.val_files, max_samples=data.val_max_samples, **common) if data.val_files else None
+    return train, val
+
+
 def samples_from_records(
     records: Iterable[dict[str, Any]],
     *,

@@ -7,8 +7,10 @@ import shutil
 from pathlib import Path
 
 
-def save_merged(model, processor, out_dir: str | Path) -> Path:
+def save_merged(model, processor, out_dir: str | Path, *, state_dict: dict | None = None) -> Path:
     """Save ``model`` (a PeftModel is merged first) and its processor to ``out_dir`` atomically.
+
+    ``state_dict``: the whole model's weights when ``model`` itself holds only a shard (FSDP).
 
     The directory appears complete or not at all: it is written beside its final
     place and renamed, so an interrupted export never leaves a half model behind.
@@ -20,7 +22,7 @@ def save_merged(model, processor, out_dir: str | Path) -> Path:
     tmp = out.parent / f".{out.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if processor is not None:
         processor.save_pretrained(tmp)
     if out.exists():

@@ -45,6 +45,15 @@ def resolve_dtype(dtype: str | torch.dtype):
     return DTYPES[dtype]
 
 
+def checkpoint_dtype(path: str | Path, *, trust_remote_code: bool = False) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are stored in (None when it does not say)."""
+    config = _from_path(AutoConfig.from_pretrained, str(path), "config", trust_remote_code=trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def is_vision_language_config(config: PretrainedConfig) -> bool:
     """Whether the Auto classes treat this checkpoint as image-text-to-text."""
     if getattr(config, "vision_config", None) is not None:
@@ -202,8 +211,12 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
     exclude_vision: bool = True,
+    adapter_dtype: torch.dtype | None = torch.float32,
 ):
     """Wrap ``model`` in a peft LoRA model; by default only the language model gets adapters.
+
+    The adapters are held in ``adapter_dtype`` (fp32 by default, whatever the base's
+    dtype: they are what the optimizer updates); None leaves them in the base's dtype.
 
     ``target_modules`` is ``"all-linear"`` (every linear layer but the output
     head) or a list of module-name suffixes such as ``["q_proj", "v_proj"]``.
@@ -250,7 +263,12 @@ def apply_lora(
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(base, config)
+    peft_model = get_peft_model(base, config, autocast_adapter_dtype=False)
+    if adapter_dtype is not None:
+        for param in peft_model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(adapter_dtype)
+    return peft_model
 
 
 def _target_regex(suffixes: list[str], excluded: list[str]) -> str:

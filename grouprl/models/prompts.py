@@ -27,6 +27,18 @@ def tokenizer_of(processor) -> Any:
     return getattr(processor, "tokenizer", processor)
 
 
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn: the chat template's end marker when there is one."""
+    tokenizer = tokenizer_of(tokenizer)
+    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token in tokenizer.get_vocab():
+            return token_id
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token to end a turn with")
+    return tokenizer.eos_token_id
+
+
 def pad_token_id(processor) -> int:
     tokenizer = tokenizer_of(processor)
     pad = tokenizer.pad_token_id

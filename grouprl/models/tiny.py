@@ -253,8 +253,13 @@ def build_tiny_text_lm(
     kv_heads: int = 2,
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
+    attention_dropout: float = 0.0,
 ) -> Path:
-    """Build a randomly initialised Qwen2 causal LM with the tokenizer and save both to ``out_dir``."""
+    """Build a randomly initialised Qwen2 causal LM with the tokenizer and save both to ``out_dir``.
+
+    ``attention_dropout`` > 0 makes every training forward draw from torch's RNG (tests of
+    exact resume need a run that does).
+    """
     out_dir = Path(out_dir)
     if hidden_size % heads:
         raise ValueError(f"build_tiny_text_lm: hidden_size={hidden_size} is not divisible by heads={heads}")
@@ -270,6 +275,7 @@ def build_tiny_text_lm(
         max_position_embeddings=4096,
         max_window_layers=layers,
         rope_theta=10000.0,
+        attention_dropout=attention_dropout,
         tie_word_embeddings=True,
         bos_token_id=ids[PAD_TOKEN],
         eos_token_id=ids[IM_END],

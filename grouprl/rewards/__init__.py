@@ -8,7 +8,10 @@ registered name or ``path/to/file.py:function``, combine several with weights::
     result = rewards.score(prompts, completions, {"answer": answers})
     result.total, result.components, result.metrics()
 
-This layer imports no torch, model or trainer code.
+This layer imports no torch, model or trainer code, and no domain code: the clinical
+rewards (``editgrpo_composite``, ``kg_consistency``, ``finding_f1``, ...) come from
+plugins (``grouprl.plugins`` entry points) that the registry imports the first time
+one of their names is asked for.
 """
 
 from grouprl.rewards.contract import (
@@ -18,7 +21,13 @@ from grouprl.rewards.contract import (
     RewardSet,
     RewardSpec,
 )
-from grouprl.rewards.registry import RewardLoadError, get_reward, register_reward, registered_rewards
+from grouprl.rewards.registry import (
+    RewardLoadError,
+    get_reward,
+    load_plugins,
+    register_reward,
+    registered_rewards,
+)
 
 # Imported for its side effect too: registering the built-in names.
 from grouprl.rewards.rule_based import (
@@ -30,8 +39,6 @@ from grouprl.rewards.rule_based import (
     math_equal,
     normalize_answer,
 )
-from grouprl.rewards import findings  # registers finding_f1 and finding_accuracy
-from grouprl.rewards import radiology  # registers the clinical rewards (editgrpo_composite, kg_consistency, ...)
 
 __all__ = [
     "RewardComponent",
@@ -46,6 +53,7 @@ __all__ = [
     "format_reward",
     "get_reward",
     "length_reward",
+    "load_plugins",
     "math_equal",
     "normalize_answer",
     "register_reward",

@@ -9,17 +9,25 @@ answers are retried with exponential backoff; a 4xx is the request's fault and i
 raised at once with the server's message. When the server stays down or answers
 with an error, :class:`RewardServerError` is raised: a failure is never turned
 into a reward of 0 (EditGRPO's client did that, silently).
+
+A row with no reference report (``answer`` None, empty or only whitespace) is not
+sent, since the server refuses empty references with a 400 that would end
+training; its reward is None ("not applicable"). Empty ones are counted in
+:attr:`RewardServerClient.skipped_empty_references` and logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+logger = logging.getLogger(__name__)
 
 REPORT_TYPES = ("short", "cot", "free_form")
 
@@ -110,6 +118,8 @@ class RewardServerClient:
         self.token = token
         self.backends: dict[str, str] = {}  # component -> backend, from the last answer
         self.last_scores: dict[str, list[float]] = {}  # score()'s result for the last batch
+        # Rows whose reference was empty or whitespace, over every call: not sent, reward None.
+        self.skipped_empty_references = 0
 
     # ------------------------------------------------------------------ the reward contract
 
@@ -117,24 +127,30 @@ class RewardServerClient:
                  **columns: Any) -> list[float | None]:
         """The reward: the server's ``final_scores`` of each completion against its ``answer``.
 
-        A row whose ``answer`` is None has no reference report: it is not sent and its
-        reward is None ("not applicable", the contract's meaning).
+        A row whose ``answer`` is None, empty or only whitespace has no reference report:
+        it is not sent and its reward is None ("not applicable", the contract's meaning).
+        Empty ones are added to :attr:`skipped_empty_references` and logged once per call.
         """
         hyps = [_completion_text(c, i) for i, c in enumerate(completions)]
         if len(answer) != len(hyps):
             raise ValueError(f"got {len(answer)} answers for {len(hyps)} completions")
-        rows = []
-        for i, a in enumerate(answer):
-            if a is None:
-                continue
-            if not isinstance(a, str):
-                raise ValueError(f"answer[{i}] must be the reference report text, got {type(a).__name__}")
-            rows.append(i)
+        rows = _rows_with_reference(answer)
+        self._note_empty_references(answer, rows)
         final = self.score([hyps[i] for i in rows], [answer[i] for i in rows])["final_scores"]
         out: list[float | None] = [None] * len(hyps)
         for i, value in zip(rows, final):
             out[i] = value
         return out
+
+    def _note_empty_references(self, answer: Sequence[Any], rows: list[int]) -> None:
+        empty = sum(1 for a in answer if a is not None) - len(rows)
+        if not empty:
+            return
+        self.skipped_empty_references += empty
+        # One line per batch: a data set with many empty references must not flood the log.
+        logger.warning("%d of %d rows have an empty reference report; not sent to the reward server %s, "
+                       "their reward is None (%d skipped so far)", empty, len(answer), self.url,
+                       self.skipped_empty_references)
 
     def score(self, hyps: Sequence[str], refs: Sequence[str]) -> dict[str, list[float]]:
         """Every requested component's per-sample values, ``final_scores`` and ``format_ok`` (1.0 / 0.0).
@@ -288,6 +304,19 @@ class RewardServerClient:
     def __repr__(self) -> str:
         return (f"RewardServerClient({self.url!r}, components={self.components}, type={self.type!r}, "
                 f"batch_size={self.batch_size}, max_concurrency={self.max_concurrency})")
+
+
+def _rows_with_reference(answer: Sequence[Any]) -> list[int]:
+    """Indices of the rows whose reference report has text (None, "" and whitespace have none)."""
+    rows = []
+    for i, a in enumerate(answer):
+        if a is None:
+            continue
+        if not isinstance(a, str):
+            raise ValueError(f"answer[{i}] must be the reference report text, got {type(a).__name__}")
+        if a.strip():
+            rows.append(i)
+    return rows
 
 
 def _completion_text(completion: Any, i: int) -> str:

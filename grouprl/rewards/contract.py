@@ -108,11 +108,12 @@ class RewardResult:
     """The scores of one batch: each component's per-row values and the weighted total.
 
     ``total[i] = sum(weights[k] * components[k][i])`` over the components that are not
-    ``None`` at row ``i``.
+    ``None`` at row ``i``; ``None`` where no component applies (only when the set was
+    asked to allow unscored rows).
     """
 
     components: dict[str, list[float | None]]
-    total: list[float]
+    total: list[float | None]
     weights: dict[str, float]
 
     def __len__(self) -> int:
@@ -124,7 +125,9 @@ class RewardResult:
         Per component: ``rewards/{key}/mean`` and ``rewards/{key}/std`` over the rows where
         it applies, and ``rewards/{key}/applicable_frac``; then ``reward/mean`` and
         ``reward/std`` of the total. Stds are population stds (defined for one row). A
-        component that applies to no row of the batch gets no mean/std rather than NaN.
+        component that applies to no row of the batch gets no mean/std rather than NaN
+        (a trainer logging over several processes needs every key every step: it records
+        the same statistics with their counts instead, see ``trainer.grpo.record_rewards``).
         """
         out: dict[str, float] = {}
         n = len(self.total)
@@ -133,8 +136,9 @@ class RewardResult:
             if applicable:
                 out[f"rewards/{key}/mean"], out[f"rewards/{key}/std"] = _mean_std(applicable)
             out[f"rewards/{key}/applicable_frac"] = len(applicable) / n if n else 0.0
-        if self.total:
-            out["reward/mean"], out["reward/std"] = _mean_std(self.total)
+        scored = [t for t in self.total if t is not None]
+        if scored:
+            out["reward/mean"], out["reward/std"] = _mean_std(scored)
         return out
 
 
@@ -185,7 +189,8 @@ class RewardSet:
         return {c.key: c.weight for c in self.components}
 
     def score(
-        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None
+        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None,
+        *, allow_unscored: bool = False,
     ) -> RewardResult:
         """Score a batch. Sync rewards run in order in this thread; async ones run concurrently.
 
@@ -193,6 +198,10 @@ class RewardSet:
         async rewards then run on a fresh loop in a worker thread, so async rewards must
         not depend on objects bound to the caller's loop. From async code prefer
         :meth:`ascore`.
+
+        A row to which no reward applies is an error, unless ``allow_unscored``: its
+        total is then None, for the caller to leave the row out (a trainer does, and
+        counts it).
         """
         columns = self._check_inputs(prompts, completions, columns)
         if not completions:
@@ -202,10 +211,11 @@ class RewardSet:
             gathered = _run_concurrently([aw for _, aw in pending])
             for (i, _), value in zip(pending, gathered):
                 results[i] = value
-        return self._combine(results, len(completions))
+        return self._combine(results, len(completions), allow_unscored)
 
     async def ascore(
-        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None
+        self, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None,
+        *, allow_unscored: bool = False,
     ) -> RewardResult:
         """:meth:`score` for async callers: async rewards run on the caller's event loop."""
         columns = self._check_inputs(prompts, completions, columns)
@@ -216,7 +226,7 @@ class RewardSet:
             gathered = await _gather([aw for _, aw in pending])
             for (i, _), value in zip(pending, gathered):
                 results[i] = value
-        return self._combine(results, len(completions))
+        return self._combine(results, len(completions), allow_unscored)
 
     def _check_inputs(self, prompts, completions, columns) -> dict[str, list[Any]]:
         n = len(completions)
@@ -258,7 +268,7 @@ class RewardSet:
                 results[i] = out
         return results, pending
 
-    def _combine(self, raw_results: list[Any], n: int) -> RewardResult:
+    def _combine(self, raw_results: list[Any], n: int, allow_unscored: bool = False) -> RewardResult:
         components: dict[str, list[float | None]] = {}
         for comp, raw in zip(self.components, raw_results):
             if isinstance(raw, Exception):
@@ -266,11 +276,14 @@ class RewardSet:
             if isinstance(raw, BaseException):  # KeyboardInterrupt, SystemExit, cancellation: not the reward's fault
                 raise raw
             components[comp.key] = _validate(comp.key, raw, n)
-        total: list[float] = []
+        total: list[float | None] = []
         for row in range(n):
             applicable = [
                 (c.weight, components[c.key][row]) for c in self.components if components[c.key][row] is not None
             ]
+            if not applicable and allow_unscored:
+                total.append(None)
+                continue
             if not applicable:
                 raise RewardError(
                     f"row {row}: every reward returned None ({', '.join(self.keys)}); "

@@ -6,6 +6,12 @@ A reward is referenced in config in one of three ways:
 - ``path/to/file.py:function``, a function in a Python file, loaded from that file
   (a relative path is resolved against the current directory);
 - ``package.module:function``, a function in an importable module.
+
+Domain packages (the radiology rewards, the finding-level rewards) are not imported
+by the core: each is a *plugin*, an entry point in the ``grouprl.plugins`` group
+(see ``[project.entry-points."grouprl.plugins"]`` in pyproject.toml) naming a module
+that registers its rewards when imported. The plugins are imported the first time a
+name is not found, and by :func:`registered_rewards`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 import threading
@@ -27,6 +34,14 @@ _REGISTRY: dict[str, RewardFn] = {}
 # file share its module state (caches, clients) instead of executing it twice.
 _FILE_MODULES: dict[Path, object] = {}
 _FILE_LOCK = threading.Lock()
+
+PLUGIN_GROUP = "grouprl.plugins"
+
+# Plugin name -> its imported module. Guarded by a re-entrant lock because importing a
+# plugin runs its register_reward calls, and could look names up in turn.
+_PLUGINS: dict[str, object] = {}
+_PLUGINS_DONE = False  # every installed plugin imported; set only after all succeeded
+_PLUGIN_LOCK = threading.RLock()
 
 
 class RewardLoadError(ValueError):
@@ -61,8 +76,36 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return decorate
 
 
+def load_plugins() -> list[str]:
+    """Import every installed ``grouprl.plugins`` entry point not imported yet; the loaded plugins' names.
+
+    A plugin that fails to import raises :class:`RewardLoadError` naming it (and is
+    tried again on the next call): a broken plugin must not silently take its
+    rewards away.
+    """
+    global _PLUGINS_DONE
+    with _PLUGIN_LOCK:
+        if not _PLUGINS_DONE:
+            for entry_point in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+                if entry_point.name not in _PLUGINS:
+                    _PLUGINS[entry_point.name] = _import_plugin(entry_point)
+            _PLUGINS_DONE = True
+        return sorted(_PLUGINS)
+
+
+def _import_plugin(entry_point: importlib.metadata.EntryPoint) -> object:
+    try:
+        return entry_point.load()
+    except Exception as exc:
+        raise RewardLoadError(
+            f"grouprl plugin {entry_point.name!r} ({entry_point.value}, entry point group {PLUGIN_GROUP}) "
+            f"failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def registered_rewards() -> list[str]:
-    """The registered reward names, sorted."""
+    """The registered reward names, those of every installed plugin included, sorted."""
+    load_plugins()
     return sorted(_REGISTRY)
 
 
@@ -73,6 +116,11 @@ def get_reward(name_or_spec: str) -> RewardFn:
     ref = name_or_spec.strip()
     if ref in _REGISTRY:
         return _REGISTRY[ref]
+    if ":" not in ref and not ref.endswith(".py"):
+        # A name not registered yet may belong to a plugin nobody has imported.
+        load_plugins()
+        if ref in _REGISTRY:
+            return _REGISTRY[ref]
     if ":" in ref:
         # rpartition: the function name never holds ':', a Windows drive letter may.
         source, _, function = ref.rpartition(":")
@@ -85,11 +133,20 @@ def get_reward(name_or_spec: str) -> RewardFn:
         raise RewardLoadError(
             f"reward reference {ref!r} names a file but no function; write it as {ref}:function_name"
         )
+    raise RewardLoadError(_unknown_name_message(ref))
+
+
+def _unknown_name_message(ref: str) -> str:
     known = registered_rewards()
+    plugins = load_plugins()
     close = difflib.get_close_matches(ref, known, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    raise RewardLoadError(
-        f"unknown reward {ref!r}. Known rewards: {', '.join(known) or '(none)'}; "
+    # No plugin at all usually means grouprl runs from a source tree that was never
+    # installed, so the entry points that bring in the domain rewards do not exist.
+    origin = (f"plugins loaded: {', '.join(plugins)}" if plugins else
+              f"no {PLUGIN_GROUP} entry points are installed; `pip install -e .` adds grouprl's")
+    return (
+        f"unknown reward {ref!r}. Known rewards: {', '.join(known) or '(none)'} ({origin}); "
         f"or reference a function as path/to/file.py:function.{hint}"
     )
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 from grouprl.data.sample import Sample
 from grouprl.rollout.batch import RolloutBatch
@@ -60,14 +63,17 @@ class RolloutEngine(abc.ABC):
 
     ``generate`` returns one row per response, the ``n`` rows of a prompt
     consecutive, ``group_index`` the prompt's position in ``samples``.
-    Engines that hold their own copy of the weights (vLLM) reload them in
-    ``update_weights`` after each optimizer step.
+    An engine that holds its own copy of the weights (``holds_weights``: a bf16
+    rollout copy, vLLM) receives the trained ones through ``update_weights`` after
+    each training step.
     """
+
+    holds_weights: bool = False
 
     @abc.abstractmethod
     def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses for each sample."""
 
     @abc.abstractmethod
-    def update_weights(self, model) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(parameter name, whole tensor)`` pairs, names as in the policy's transformers model."""

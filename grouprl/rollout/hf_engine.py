@@ -1,8 +1,9 @@
-"""Sampling with transformers ``generate`` on the policy model itself."""
+"""Sampling with transformers ``generate``, on the policy itself or on a copy of its weights."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Iterator
 
 import torch
@@ -26,9 +27,13 @@ _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"
 
 
 class HFGenerationEngine(RolloutEngine):
-    """Batched ``model.generate`` on the policy: n samples per prompt, micro-batched.
+    """Batched ``model.generate``: n samples per prompt, micro-batched.
 
-    The engine shares the policy's weights, so ``update_weights`` has nothing to do.
+    ``model`` is the policy itself (the engine then sees every optimizer step at
+    once), or with ``holds_weights=True`` a separate copy the engine owns: a bf16
+    rollout copy beside fp32 master weights, or an unsharded copy of an FSDP policy,
+    whose forward passes are collectives that generation cannot keep in step across
+    processes. A copy is refreshed by ``update_weights``.
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class HFGenerationEngine(RolloutEngine):
         max_prompt_length: int | None = None,
         micro_batch_size: int | None = None,
         truncation: str = "error",
+        holds_weights: bool = False,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
@@ -50,10 +56,28 @@ class HFGenerationEngine(RolloutEngine):
         self.pad_token_id = pad_token_id(processor)
         self.eos_token_ids = _eos_token_ids(processor, model)
         self.suppressed_token_ids = _placeholder_token_ids(model)
+        self.holds_weights = holds_weights
+        if holds_weights:
+            unwrap_model(model).requires_grad_(False)
 
-    def update_weights(self, model) -> None:
-        # Same module object as the trainer's policy: optimizer steps are already visible.
-        self.model = model
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the trained weights into the engine's copy, casting to its dtype, one tensor at a time."""
+        if not self.holds_weights:
+            return  # the engine samples from the policy itself: every optimizer step is already visible
+        params = dict(unwrap_model(self.model).named_parameters())
+        seen = set()
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"the rollout copy has no parameter {name!r} (it has e.g. {list(params)[:3]})")
+            if target.shape != tensor.shape:
+                raise ValueError(f"parameter {name!r}: rollout copy {tuple(target.shape)}, trained {tuple(tensor.shape)}")
+            target.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise KeyError(f"update_weights left {len(missing)} parameter(s) of the rollout copy stale, e.g. {missing[:3]}")
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
         prompt_ids, prompt_mask, inputs = encode_prompts(

@@ -38,12 +38,12 @@ def forward_response_log_probs(
     # Padding columns shared by every row cost a full forward each and change
     # nothing (positions count real tokens only), so drop them.
     prompt_ids, prompt_mask = _trim_prompt(prompt_ids, prompt_mask)
-    used = _used_width(response_mask)
+    # At least one column even when every row is masked: the forward still runs, since
+    # under FSDP each forward is a collective that every process must join.
+    if width == 0:
+        raise ValueError("responses have no tokens (width 0); nothing to score")
+    used = max(_used_width(response_mask), 1)
     response_ids, response_mask = response_ids[:, :used], response_mask[:, :used]
-    log_probs = torch.zeros(response_ids.shape[0], width, device=device)
-    entropy = torch.zeros(response_ids.shape[0], width, device=device) if with_entropy else None
-    if used == 0:
-        return log_probs, entropy
 
     input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).to(device)
@@ -59,15 +59,17 @@ def forward_response_log_probs(
     mask = response_mask.to(device=device, dtype=logits.dtype)
     normalizer = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    token_log_probs = (picked - normalizer) * mask
+    # select, not multiply: a padded position's logits may be anything, inf included
+    token_log_probs = torch.where(mask.bool(), picked - normalizer, torch.zeros_like(picked))
     log_probs = torch.nn.functional.pad(token_log_probs, (0, width - used))
+    entropy = None
     if with_entropy:
         # A metric, never differentiated: outside autograd the [B, R, vocab]
         # softmax is not saved for the backward pass (one logits-sized tensor less
         # at peak; 260 MB for 32 x 64 tokens over a 32k vocabulary).
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
-            token_entropy = (normalizer - (probs * logits).sum(-1)) * mask
+            token_entropy = torch.where(mask.bool(), normalizer - (probs * logits).sum(-1), torch.zeros_like(normalizer))
         entropy = torch.nn.functional.pad(token_entropy, (0, width - used))
     return log_probs, entropy
 

@@ -2,15 +2,20 @@
 
     prompts -> engine.generate (n per prompt) -> RolloutBatch
             -> rollout transforms -> rewards -> (dynamic sampling) -> old / ref log-probs
-            -> advantages -> PPO epochs over mini-batches of micro-batches -> logs, checkpoint
+            -> advantages -> run_update (PPO epochs over mini-batches of micro-batches)
+            -> rollout copy refreshed -> logs, checkpoint
+
+Every process runs the same steps on its own shard of the prompts and holds the
+same number of rows at the update; metrics are reduced across processes by kind
+(``trainer.metrics``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
+import functools
+import json
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,28 +23,17 @@ from pathlib import Path
 import torch
 
 from grouprl import algorithms
-from grouprl.config import Config, ConfigError, save_config, to_dict
+from grouprl.config import ActorConfig, Config, ConfigError, save_config, to_dict, write_text_atomic
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer import checkpoint as ckpt
-from grouprl.trainer.logging import MetricsLogger, RolloutWriter
-from grouprl.trainer.policy import build_optimizer, build_policy, build_scheduler
+from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
+from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.parallel import full_named_parameters, full_state_dicts
+from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompts import PromptStream
+from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
 RolloutTransform = Callable[[RolloutBatch], RolloutBatch]
-
-
-def load_datasets(config: Config):
-    from grouprl.data import load_samples
-
-    d = config.data
-    if not d.train_files:
-        raise ConfigError("config key 'data.train_files' is empty")
-    common = dict(format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
-                  image_dir=d.image_dir, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                  system_prompt=d.system_prompt, skip_bad_records=d.skip_bad_records, id_key=d.id_key)
-    train = load_samples(d.train_files, max_samples=d.max_samples, **common)
-    val = load_samples(d.val_files, max_samples=d.val_max_samples, **common) if d.val_files else None
-    return train, val
 
 
 def build_rewards(config: Config):
@@ -52,6 +46,8 @@ def build_rewards(config: Config):
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs)) for f in r.functions]
     rewards = RewardSet.from_specs(specs) if specs else None
     if r.reward_server:
+        import os
+
         from grouprl.rewards.client import RewardServerClient
 
         client = RewardServerClient(
@@ -77,79 +73,151 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
     return columns
 
 
+def record_rewards(metrics: StepMetrics, result, keys: list[str], prefix: str = "") -> None:
+    """Reward statistics under a fixed schema: every component's keys, applicable to any row or not.
+
+    ``rewards/{key}/mean`` and ``/std`` over the rows where the component applies
+    (NaN where it applies to none, on every process), ``rewards/{key}/applicable_frac``,
+    and ``reward/mean`` / ``reward/std`` of the weighted total.
+    """
+    n = len(result.total)
+    for key in keys:
+        values = [v for v in result.components.get(key, []) if v is not None]
+        metrics.moments(f"{prefix}rewards/{key}", values)
+        metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
+    metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
+
+
+def policy_loss_options(name: str, actor: ActorConfig) -> dict:
+    """Each policy loss's own clip range (and SAPO's temperatures) from the actor config."""
+    if name in ("gspo", "gspo_token"):
+        return {"clip_ratio_low": actor.gspo.clip_ratio_low, "clip_ratio_high": actor.gspo.clip_ratio_high}
+    if name == "cispo":
+        return {"clip_ratio_low": actor.cispo.clip_ratio_low, "clip_ratio_high": actor.cispo.clip_ratio_high}
+    if name == "sapo":
+        # no clip: the gate's temperatures take its place (the PPO range is passed and unused)
+        return {"clip_ratio_low": actor.clip_ratio_low, "clip_ratio_high": actor.clip_ratio_high,
+                "sapo_tau_pos": actor.sapo.tau_pos, "sapo_tau_neg": actor.sapo.tau_neg}
+    return {"clip_ratio_low": actor.clip_ratio_low, "clip_ratio_high": actor.clip_ratio_high,
+            "clip_ratio_dual": actor.clip_ratio_dual}
+
+
+def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
+              algorithm, actor: ActorConfig):
+    """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
+    ``algorithm`` and ``worker.actor`` config sections bound): the policy loss, plus the
+    KL term when it is a loss. Reports ``pg_loss`` and ``kl_loss``; records clip
+    fractions, ratio, entropy and KL as token-weighted means."""
+    old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
+    pg_loss, pg_metrics = algorithms.compute_policy_loss(
+        algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
+        **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
+    tokens = float(mb.loss_mask.sum())
+    for key, value in pg_metrics.items():
+        metrics.mean(f"actor/{key}", value, tokens)
+    if entropy is not None:
+        metrics.mean("actor/entropy", _masked_mean(entropy, mb.loss_mask), tokens)
+    reported = {"pg_loss": pg_loss.detach()}
+    loss = pg_loss
+    if algorithm.kl_coef > 0 and algorithm.use_kl_loss:
+        kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algorithm.kl_penalty, response_mask=mb.loss_mask)
+        kl_loss = algorithms.aggregate_loss(kl, mb.loss_mask, algorithm.loss_agg_mode, **norms.as_options())
+        loss = loss + algorithm.kl_coef * kl_loss
+        reported["kl_loss"] = kl_loss.detach()
+        metrics.mean("actor/kl", _masked_mean(kl.detach(), mb.loss_mask), tokens)
+    return loss, reported
+
+
+def _fill_unscored(totals: list[float | None], group_index: torch.Tensor) -> torch.Tensor:
+    """Scores [B] where a row no reward applied to takes its group's mean of scored rows (0 if none).
+
+    Such a row is left out of the loss; at the group's mean it moves neither the
+    group's baseline nor, under GRPO, gets an advantage of its own.
+    """
+    scored = torch.tensor([t is not None for t in totals])
+    values = torch.tensor([0.0 if t is None else t for t in totals], dtype=torch.float32)
+    if bool(scored.all()):
+        return values
+    for g in group_index[~scored].unique().tolist():
+        rows = group_index == g
+        have = rows & scored
+        values[rows & ~scored] = values[have].mean() if have.any() else 0.0
+    return values
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    total = mask.sum()
-    return float((values * mask).sum() / total) if total > 0 else 0.0
+    mask = mask.bool()
+    total = int(mask.sum())
+    return float(torch.where(mask, values, torch.zeros_like(values)).sum() / total) if total else 0.0
 
 
 class GRPOTrainer:
     """Trains a policy with a group-relative algorithm chosen by the config.
 
     ``rollout_transforms`` run on every RolloutBatch after generation and before
-    rewards (post-rollout edits and verifier turns plug in here).
+    rewards (post-rollout edits and verifier turns plug in here). A transform may
+    report ``last_metrics`` (a dict), with ``metric_kinds`` naming the keys that are
+    counts to sum across processes (the rest are means weighted by rows).
     """
 
     def __init__(self, config: Config, *, train_dataset=None, val_dataset=None, reward_set=None,
                  rollout_transforms: list[RolloutTransform] | None = None):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        self.config = config
-        t = config.trainer
-        self.accelerator = Accelerator(cpu=t.device == "cpu")
-        set_seed(t.seed)
-        self.is_main = self.accelerator.is_main_process
-        self.run_dir = config.run_dir
+        from grouprl.data import load_datasets
 
+        self.config = config
+        t, actor, roll = config.trainer, config.worker.actor, config.worker.rollout
+        set_seed(t.seed)  # before the policy is built: LoRA adapters are initialised at random
+        self.run_dir = config.run_dir
         if train_dataset is None:
-            train_dataset, loaded_val = load_datasets(config)
+            train_dataset, loaded_val = load_datasets(config.data)
             val_dataset = val_dataset if val_dataset is not None else loaded_val
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.rewards = reward_set if reward_set is not None else build_rewards(config)
         self.rollout_transforms = list(rollout_transforms or [])
 
-        actor = config.worker.actor
-        self.model, self.processor, self.is_vlm = build_policy(actor.model)
+        trained = setup_policy(actor, t)
+        self.accelerator = trained.accelerator
+        self.model, self.policy, self.processor = trained.model, trained.policy, trained.processor
+        self.is_vlm, self.precision, self.sharded = trained.is_vlm, trained.precision, trained.sharded
+        self.is_main = self.accelerator.is_main_process
         self.uses_lora = actor.model.lora.rank > 0
         self.ref_model = None
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
             # with LoRA the reference is the policy with adapters off: no second copy
-            from grouprl.models.loading import load_model_and_processor
-
-            ref_path = config.worker.ref.model_path or actor.model.model_path
-            self.ref_model, _, _ = load_model_and_processor(ref_path, dtype=actor.model.dtype,
-                                                            trust_remote_code=actor.model.trust_remote_code)
-            self.ref_model.requires_grad_(False).eval()
-            self.ref_model.to(self.accelerator.device)
+            self.ref_model = self._frozen_copy(config.worker.ref.model_path or actor.model.model_path)
 
         world = self.accelerator.num_processes
-        if world > 1 and config.algorithm.online_filtering:
-            # processes would keep different numbers of groups and disagree on the number
-            # of optimizer steps; balancing them across processes is not implemented yet
-            raise ConfigError("algorithm.online_filtering is not supported with more than one process yet")
         self.stream = PromptStream(train_dataset, config.data.rollout_batch_size, seed=config.data.seed,
                                    shuffle=config.data.shuffle, rank=self.accelerator.process_index, world_size=world)
         self.total_steps = t.max_steps or t.total_epochs * self.stream.batches_per_epoch
-        updates_per_step = actor.ppo_epochs * (config.data.rollout_batch_size // actor.global_batch_size)
         self.optimizer = build_optimizer(self.model, actor)
-        self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps * updates_per_step)
-        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
+        self.update_settings = UpdateSettings(
+            num_minibatches=config.data.rollout_batch_size // actor.global_batch_size, epochs=actor.ppo_epochs,
+            micro_batch_size=actor.micro_batch_size_per_device_for_update, max_grad_norm=actor.max_grad_norm,
+            norm_len=float(config.data.max_response_length))
 
         from grouprl.models.loading import check_image_tokens
+        from grouprl.models.prompts import end_of_turn_id
         from grouprl.rollout.hf_engine import HFGenerationEngine
 
-        self.policy = self.accelerator.unwrap_model(self.model)
-        self.engine = HFGenerationEngine(self.policy, self.processor, max_prompt_length=config.data.max_prompt_length,
-                                         micro_batch_size=config.worker.rollout.micro_batch_size)
-        roll = config.worker.rollout
+        # Generation runs on a copy of the weights when the policy's own cannot serve:
+        # fp32 masters (sampling from a bf16 copy reads half the bytes per token) or an
+        # FSDP policy (its forward passes are collectives that generation cannot keep in step).
+        holds_weights = self.precision.rollout_copy or self.sharded
+        rollout_model = self._frozen_copy(actor.model.model_path) if holds_weights else self.policy
+        self.engine = HFGenerationEngine(rollout_model, self.processor, max_prompt_length=config.data.max_prompt_length,
+                                         micro_batch_size=roll.micro_batch_size, holds_weights=holds_weights)
+        self._sync_rollout_weights()
         if roll.extractor or config.algorithm.force_gt_num > 0:
             from grouprl.rollout.edits import EditTransform
-            from grouprl.trainer.sft import end_of_turn_id
 
             # EditGRPO: edited copies join their group after generation and before rewards,
             # so their old log-probs come from the actor like any other row's
             self.rollout_transforms.append(EditTransform(
-                self.processor, eos_token_id=end_of_turn_id(getattr(self.processor, "tokenizer", self.processor)),
+                self.processor, eos_token_id=end_of_turn_id(self.processor),
                 pad_token_id=self.engine.pad_token_id, num_ops_per_para=roll.extractor_num_ops_per_para,
                 num_para=roll.extractor_num_para if roll.extractor else 0, tau=roll.extractor_similarity_threshold,
                 force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
@@ -159,6 +227,19 @@ class GRPOTrainer:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
         self.state = ckpt.TrainerState()
+
+    def _frozen_copy(self, path: str):
+        """The model at ``path`` in the precision's frozen dtype, on this process's device, never trained."""
+        from grouprl.models.loading import load_model_and_processor
+
+        model, _, _ = load_model_and_processor(path, dtype=self.precision.frozen_dtype,
+                                               trust_remote_code=self.config.worker.actor.model.trust_remote_code)
+        return model.requires_grad_(False).eval().to(self.accelerator.device)
+
+    def _sync_rollout_weights(self) -> None:
+        """Give the engine the trained weights (a collective for a sharded policy)."""
+        if self.engine.holds_weights:
+            self.engine.update_weights(full_named_parameters(self.model))
 
     # ------------------------------------------------------------------ rollout
 
@@ -178,12 +259,17 @@ class GRPOTrainer:
             return_log_probs=self.config.trainer.log_completions and not validation,
         )
 
-    def _score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rewards, overlong shaping and truncation masking, in place; returns the reward metrics."""
+    def _score(self, batch: RolloutBatch):
+        """Rewards, overlong shaping and truncation masking, in place; returns the RewardResult."""
         algo = self.config.algorithm
-        result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses, reward_columns(batch))
+        result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses, reward_columns(batch),
+                                    allow_unscored=True)
         batch.reward_components = result.components
-        scores = torch.tensor(result.total, dtype=torch.float32)
+        scores = _fill_unscored(result.total, batch.group_index)
+        unscored = torch.tensor([t is None for t in result.total], dtype=torch.bool)
+        if unscored.any():
+            # no reward applies (e.g. an empty reference sent to no server): the row is not trained
+            batch.loss_mask = batch.loss_mask * (~unscored).unsqueeze(-1).to(batch.loss_mask.dtype)
         if algo.overlong_buffer.enable:
             lengths = batch.response_mask.sum(-1)
             penalty = algorithms.overlong_penalty(
@@ -194,109 +280,156 @@ class GRPOTrainer:
         batch.scores = scores
         if algo.mask_truncated_completions:
             batch.loss_mask = algorithms.mask_truncated(batch.loss_mask, batch.truncated)
-        return result.metrics()
+        return result
 
-    def rollout(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate, transform and score one step's batch, with DAPO dynamic sampling when on."""
+    def _record_rollout(self, batch: RolloutBatch, result, transforms: list, metrics: StepMetrics) -> None:
+        """What the policy produced this step, before any filtering."""
+        rows = len(batch)
+        record_rewards(metrics, result, self.rewards.keys)
+        metrics.sum("reward/unscored_rows", float(sum(t is None for t in result.total)))
+        zero_std = algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0
+        metrics.mean("frac_reward_zero_std", float(zero_std.float().mean()) if rows else 0.0, rows)
+        for transform in transforms:
+            kinds = getattr(transform, "metric_kinds", {})
+            for key, value in getattr(transform, "last_metrics", {}).items():
+                if kinds.get(key) == "sum":
+                    metrics.sum(key, value)
+                else:
+                    metrics.mean(key, value, rows)
+        if transforms:
+            for name, mask in (("edited", batch.edited), ("unedited", ~batch.edited)):
+                count = int(mask.sum())
+                metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
+
+    def _fewest_over_processes(self, value: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t)
+
+    def rollout(self, step: int, metrics: StepMetrics) -> RolloutBatch | None:
+        """Generate, transform and score one step's batch, with DAPO dynamic sampling when on.
+
+        Dynamic sampling keeps groups whose rewards differ and draws more prompts until
+        every process has its share of groups (or the extra rounds run out); then every
+        process keeps the same number of groups, the fewest any process found, so all
+        take the same number of optimizer steps. Groups found beyond that are dropped
+        and counted (``dynamic_sampling/unused_groups``).
+        """
         algo = self.config.algorithm
         params = self._sampling(step)
         wanted = self.config.data.rollout_batch_size // self.accelerator.num_processes
         kept: list[RolloutBatch] = []
-        kept_groups, rounds, metrics = 0, 0, {}
+        kept_groups = rounds = 0
         while True:
             prompts = self.stream.next_batch()
             # each extra round draws new prompts; a new seed keeps its samples independent too
             batch = self.engine.generate(prompts, replace(params, seed=params.seed + 7919 * rounds))
-            transform_metrics: dict[str, float] = {}
             for transform in self.rollout_transforms:
                 batch = transform(batch)
-                transform_metrics.update(getattr(transform, "last_metrics", {}))
-            reward_metrics = self._score(batch)
+            result = self._score(batch)
             if rounds == 0:
-                metrics = reward_metrics  # what the policy produced, before any filtering
-                metrics["frac_reward_zero_std"] = float(
-                    (algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0).float().mean())
-                metrics.update(transform_metrics)
-                if self.rollout_transforms:
-                    # NaN (not a missing key) when a side is empty: every process logs the same keys
-                    for name, rows in (("edited", batch.edited), ("unedited", ~batch.edited)):
-                        metrics[f"edits/reward_{name}_mean"] = float(batch.scores[rows].mean()) if rows.any() else math.nan
+                self._record_rollout(batch, result, self.rollout_transforms, metrics)
             if not algo.online_filtering:
-                return batch, metrics
+                return batch
             keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
             if keep.any():
                 part = batch.select(keep.nonzero().squeeze(-1))
                 kept.append(part)
                 kept_groups += int(part.group_index.unique().numel())
             rounds += 1
-            if kept_groups >= wanted or rounds > algo.max_filter_rounds:
+            # the same decision on every process: they draw the same number of prompt batches
+            fewest = self._fewest_over_processes(kept_groups)
+            if fewest >= wanted or rounds > algo.max_filter_rounds:
                 break
-        metrics["dynamic_sampling/rounds"] = float(rounds)
-        metrics["dynamic_sampling/kept_groups"] = float(kept_groups)
-        if not kept:
-            return None, metrics
+        take = min(fewest, wanted)
+        metrics.max("dynamic_sampling/rounds", rounds)
+        metrics.sum("dynamic_sampling/kept_groups", take)
+        metrics.sum("dynamic_sampling/unused_groups", kept_groups - take)
+        if take == 0:
+            return None
         batch = RolloutBatch.concat(kept, pad_token_id=self.engine.pad_token_id)
-        groups = batch.group_index.unique()[:wanted] if kept_groups > wanted else None  # the earliest groups
-        if groups is not None:
-            batch = batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
-        return batch, metrics
+        groups = batch.group_index.unique()[:take]  # the earliest groups
+        return batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
 
     # ------------------------------------------------------------------ log-probs
 
-    @torch.no_grad()
-    def _log_probs(self, model, batch: RolloutBatch, *, with_entropy: bool = False):
+    def _log_prob_fn(self, model, batch: RolloutBatch):
         from grouprl.rollout.logprobs import compute_log_probs
 
-        return compute_log_probs(model, batch, micro_batch_size=self.config.worker.actor.micro_batch_size_per_device_for_experience,
-                                 temperature=self.config.worker.rollout.temperature, with_entropy=with_entropy)
+        return compute_log_probs(model, batch, micro_batch_size=len(batch),
+                                 temperature=self.config.worker.rollout.temperature, with_entropy=True)
+
+    @torch.no_grad()
+    def _log_probs(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs without gradient, computed the way the update computes them (same precision)."""
+        from grouprl.rollout.logprobs import compute_log_probs
+
+        context = self.precision.autocast(self.accelerator.device) if model is self.model else _no_context()
+        with context:
+            return compute_log_probs(model, batch,
+                                     micro_batch_size=self.config.worker.actor.micro_batch_size_per_device_for_experience,
+                                     temperature=self.config.worker.rollout.temperature)[0]
 
     @torch.no_grad()
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._log_probs(self.ref_model, batch)[0]
+            return self._log_probs(self.ref_model, batch)
         with self.policy.disable_adapter():
-            return self._log_probs(self.policy, batch)[0]
+            return self._log_probs(self.model, batch)
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, step: int) -> dict[str, float]:
-        cfg, algo, actor = self.config, self.config.algorithm, self.config.worker.actor
+    def step(self, step: int) -> StepMetrics:
+        """One training step on this process; returns its metrics, not yet reduced across processes."""
+        cfg, algo = self.config, self.config.algorithm
+        metrics = StepMetrics()
         t0 = time.perf_counter()
         self._last_batch = None
-        batch, metrics = self.rollout(step)
+        batch = self.rollout(step, metrics)
         t_rollout = time.perf_counter() - t0
+        # every process takes this branch together: dynamic sampling agrees on the count
+        metrics.mean("actor/skipped_step", float(batch is None))
+        metrics.mean("actor/lr", self.scheduler.get_last_lr()[0])
         if batch is None:  # every group had zero reward spread, even after the extra rounds
-            metrics["actor/skipped_step"] = 1.0
+            with warnings.catch_warnings():
+                # the schedule counts training steps, taken or skipped; torch warns when the
+                # first one is skipped, before any optimizer step
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                self.scheduler.step()
             return metrics
 
-        n_minibatches = max(1, len(batch) // (actor.global_batch_size * cfg.worker.rollout.n // self.accelerator.num_processes))
         kl_on = algo.kl_coef > 0
         kl_in_reward = kl_on and not algo.use_kl_loss
+        settings = self.update_settings
         # With one update per rollout the sampling policy is the one being trained, so
         # its log-probs come for free from the update's own forward (ratio exactly 1).
-        on_policy = actor.ppo_epochs == 1 and n_minibatches == 1
+        on_policy = settings.epochs == 1 and settings.num_minibatches == 1
         if not on_policy or kl_in_reward:
-            batch.old_log_probs = self._log_probs(self.model, batch)[0]
+            batch.old_log_probs = self._log_probs(self.model, batch)
         if kl_on:
             batch.ref_log_probs = self._reference_log_probs(batch)
 
-        scores = batch.scores
         token_rewards = None
         if kl_in_reward:
-            kl = algorithms.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_penalty) * batch.loss_mask
+            kl = algorithms.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_penalty,
+                                       response_mask=batch.loss_mask)
             token_rewards = -algo.kl_coef * kl
-            metrics["reward/kl_penalty"] = _masked_mean(kl, batch.loss_mask)
-        batch.advantages = self._advantages(scores, batch, token_rewards)
+            metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
+        batch.advantages = self._advantages(batch.scores, batch, token_rewards)
 
-        update_metrics = self._update(batch, n_minibatches)
-        metrics.update(update_metrics)
-        metrics.update(self._batch_metrics(batch))
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
+        run_update(self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
+                   accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
+        self.scheduler.step()
+        self._sync_rollout_weights()
+        self._batch_metrics(batch, metrics)
         elapsed = time.perf_counter() - t0
-        tokens = float(batch.response_mask.sum() + batch.prompt_mask.sum())
-        metrics.update({"timing/step_s": elapsed, "timing/rollout_s": t_rollout,
-                        "perf/tokens_per_s": tokens * self.accelerator.num_processes / elapsed,
-                        "perf/samples_per_s": len(batch) * self.accelerator.num_processes / elapsed,
-                        "actor/lr": self.scheduler.get_last_lr()[0]})
+        metrics.max("timing/step_s", elapsed)
+        metrics.max("timing/rollout_s", t_rollout)
+        metrics.sum("perf/tokens", float(batch.response_mask.sum() + batch.prompt_mask.sum()))
+        metrics.sum("perf/samples", float(len(batch)))
         self._last_batch = batch
         return metrics
 
@@ -304,7 +437,7 @@ class GRPOTrainer:
         algo = self.config.algorithm
         name = algo.adv_estimator
         options: dict = {"response_mask": batch.loss_mask}
-        if name == "grpo":
+        if name in ("grpo", "grpo_passk"):
             options["norm_by_std"] = algo.norm_adv_by_std_in_grpo
         if name == "reinforce_plus_plus":
             options["gamma"] = algo.gamma
@@ -329,81 +462,15 @@ class GRPOTrainer:
         by_group = dict(zip(first_row, result.total))
         return torch.tensor([by_group[g] for g in batch.group_index.tolist()], dtype=torch.float32)
 
-    def _update(self, batch: RolloutBatch, n_minibatches: int) -> dict[str, float]:
-        """PPO epochs over mini-batches; each mini-batch is one optimizer step over micro-batches."""
-        from grouprl.rollout.logprobs import compute_log_probs
-
-        cfg, algo, actor = self.config, self.config.algorithm, self.config.worker.actor
-        acc = self.accelerator
-        self.model.train()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(key, value):
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-
-        rows = torch.arange(len(batch))
-        minibatches = rows.chunk(n_minibatches)
-        for _ in range(actor.ppo_epochs):
-            for mb_rows in minibatches:
-                mini = batch.select(mb_rows)
-                # global normalisers make the micro-batch losses add up to the mini-batch loss,
-                # across processes too (DDP averages gradients, hence the x world_size below)
-                counts_t = torch.tensor([float(mini.loss_mask.sum()), float(len(mini))], device=acc.device)
-                counts_t = acc.reduce(counts_t, reduction="sum")
-                agg = {"num_tokens": max(counts_t[0].item(), 1.0), "num_seqs": counts_t[1].item(),
-                       "norm_len": cfg.data.max_response_length}
-                micro = list(torch.arange(len(mini)).split(actor.micro_batch_size_per_device_for_update))
-                for i, mrows in enumerate(micro):
-                    mb = mini.select(mrows)
-                    sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.model)
-                    with sync:
-                        log_prob, entropy = compute_log_probs(
-                            self.model, mb, micro_batch_size=len(mb), temperature=cfg.worker.rollout.temperature,
-                            with_entropy=True)
-                        old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
-                        pg_loss, pg_metrics = algorithms.compute_policy_loss(
-                            algo.policy_loss, log_prob, old, mb.advantages, mb.loss_mask,
-                            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                            clip_ratio_dual=actor.clip_ratio_dual, loss_agg_mode=algo.loss_agg_mode, **agg)
-                        loss = pg_loss
-                        if algo.kl_coef > 0 and algo.use_kl_loss:
-                            kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algo.kl_penalty)
-                            kl_loss = algorithms.aggregate_loss(kl, mb.loss_mask, algo.loss_agg_mode, **agg)
-                            loss = loss + algo.kl_coef * kl_loss
-                            add("actor/kl_loss", kl_loss.item() * len(micro))
-                            add("actor/kl", _masked_mean(kl.detach(), mb.loss_mask))
-                        acc.backward(loss * acc.num_processes)
-                    add("actor/pg_loss", pg_loss.item() * len(micro))
-                    add("actor/entropy", _masked_mean(entropy.detach(), mb.loss_mask))
-                    for key, value in pg_metrics.items():
-                        add(f"actor/{key}", value)
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), actor.max_grad_norm)
-                add("actor/grad_norm", float(grad_norm))
-                finite = math.isfinite(float(grad_norm))
-                if finite:
-                    self.optimizer.step()
-                add("actor/nonfinite_grad_steps", 0.0 if finite else 1.0)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.state.optimizer_steps += 1
-        self.model.eval()
-        return {k: sums[k] / counts[k] for k in sums}
-
-    def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+    def _batch_metrics(self, batch: RolloutBatch, metrics: StepMetrics) -> None:
         lengths = batch.response_mask.sum(-1).float()
-        adv = batch.advantages
-        per_row_adv = (adv * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
-        return {
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "response/truncation_rate": float(batch.truncated.float().mean()),
-            "advantages/mean": float(per_row_adv.mean()),
-            "advantages/std": float(per_row_adv.std()) if len(batch) > 1 else 0.0,
-            "batch/responses": float(len(batch)),
-        }
+        per_row_adv = (batch.advantages * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
+        metrics.moments("response_length", lengths.tolist())
+        metrics.max("response_length/max", float(lengths.max()))
+        metrics.min("response_length/min", float(lengths.min()))
+        metrics.mean("response/truncation_rate", float(batch.truncated.float().mean()), len(batch))
+        metrics.moments("advantages", per_row_adv.tolist())
+        metrics.sum("batch/responses", float(len(batch)))
 
     def rollout_records(self, batch: RolloutBatch) -> list[dict]:
         adv = (batch.advantages * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
@@ -423,15 +490,6 @@ class GRPOTrainer:
                 **{k: v[i] for k, v in batch.extras.items()},
             })
         return records
-
-    def _mean_over_processes(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each process saw its own shard of the batch; log the mean over all of them."""
-        if self.accelerator.num_processes == 1:
-            return metrics
-        keys = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device)
-        values = self.accelerator.reduce(values, reduction="mean")
-        return dict(zip(keys, values.tolist()))
 
     def completion_records(self, batch: RolloutBatch) -> list[dict]:
         """CheXPO's completions log: each response's tokens with the sampler's per-token log-probs."""
@@ -456,85 +514,133 @@ class GRPOTrainer:
             })
         return records
 
+    def _gather_records(self, records: list[dict]) -> list[dict]:
+        """Every process's records, in process order, on every process (for the main one to write)."""
+        if self.accelerator.num_processes == 1:
+            return records
+        from accelerate.utils import gather_object
+
+        return gather_object(records)
+
     # ------------------------------------------------------------------ validation
 
     @torch.no_grad()
-    def validate(self, step: int) -> dict[str, float]:
+    def validate(self, step: int) -> StepMetrics:
+        """Greedy (by default) responses to this process's share of the validation set, scored.
+
+        A process may get no validation sample (fewer samples than processes): it still
+        reports every key, with no weight.
+        """
+        metrics = StepMetrics()
         if self.val_dataset is None or len(self.val_dataset) == 0:
-            return {}
+            return metrics
         params = self._sampling(step, validation=True)
         size = self.config.data.val_batch_size
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         indices = list(range(len(self.val_dataset)))[rank::world]
-        totals, components, records = [], {}, []
+        totals, components, records = [], {k: [] for k in self.rewards.keys}, []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
             batch = self.engine.generate(samples, params)
-            result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses, reward_columns(batch))
+            result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses,
+                                        reward_columns(batch), allow_unscored=True)
             totals.extend(result.total)
             for k, v in result.components.items():
-                components.setdefault(k, []).extend(x for x in v if x is not None)
+                components[k].extend(v)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))
-        metrics = {"reward/mean": sum(totals) / len(totals)}
-        for k, v in components.items():
-            if v:
-                metrics[f"rewards/{k}/mean"] = sum(v) / len(v)
+        from grouprl.rewards import RewardResult
+
+        record_rewards(metrics, RewardResult(components=components, total=totals, weights=self.rewards.weights),
+                       self.rewards.keys)
+        records = self._gather_records(records)
         if self.is_main and records:
             RolloutWriter(self.run_dir / "val_generations.jsonl").write(step, records[: self.config.trainer.val_generations_to_log])
         return metrics
 
     # ------------------------------------------------------------------ the loop
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
         t = self.config.trainer
         if not t.resume:
-            return
+            return False
         path = ckpt.latest_checkpoint(self.config.checkpoint_dir) if t.resume == "auto" else Path(t.resume)
         if path is None:
-            return  # "auto" with nothing saved yet: a fresh start
-        self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+            return False  # "auto" with nothing saved yet: a fresh start
+        self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
+                                             process_index=self.accelerator.process_index,
+                                             num_processes=self.accelerator.num_processes)
         self.stream.load_state(self.state.extra["stream"])
+        self._sync_rollout_weights()
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
+        return True
 
     def save(self) -> Path | None:
+        """Write a checkpoint (every process takes part; the main one writes)."""
+        from accelerate.utils import gather_object
+
         self.state.extra["stream"] = self.stream.state()
+        model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
+        rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
         if self.is_main:
-            path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, self.optimizer,
-                                        self.scheduler, processor=self.processor, save_limit=self.config.trainer.save_limit)
+            path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, optimizer_state,
+                                        self.scheduler, processor=self.processor,
+                                        save_limit=self.config.trainer.save_limit, rng_states=rng_states,
+                                        model_state_dict=model_state)
         self.accelerator.wait_for_everyone()
         return path
+
+    def run_info(self) -> dict:
+        """How this run is laid out (written to ``run_info.json``): processes, strategy, precision."""
+        return {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
+                "strategy": self.config.worker.actor.strategy, "precision": self.precision.describe(),
+                "rollout_weights": "copy" if self.engine.holds_weights else "policy"}
+
+    def _reduce(self, metrics: StepMetrics) -> dict[str, float]:
+        values = metrics.reduce(self.accelerator)
+        # rates from totals over all processes and the slowest process's time
+        if "perf/tokens" in values and values.get("timing/step_s"):
+            values["perf/tokens_per_s"] = values.pop("perf/tokens") / values["timing/step_s"]
+            values["perf/samples_per_s"] = values.pop("perf/samples") / values["timing/step_s"]
+        return values
 
     def train(self) -> dict[str, float]:
         t = self.config.trainer
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")
-        self._resume()
+            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
+        resume_step = self.state.global_step if self._resume() else None
+        if self.is_main and resume_step is not None:
+            # what a killed run wrote after its last checkpoint is written again below
+            truncate_jsonl(self.run_dir / "val_generations.jsonl", resume_step)
         self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=to_dict(self.config),
                                     project=t.project_name, experiment=t.experiment_name, enabled=self.is_main,
-                                    initial_step=self.state.global_step)
-        rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=self.is_main and t.log_rollouts)
-        completions = RolloutWriter(self.run_dir / "completions.jsonl", enabled=self.is_main and t.log_completions)
+                                    initial_step=self.state.global_step, resume_step=resume_step)
+        rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=self.is_main and t.log_rollouts,
+                                 resume_step=resume_step)
+        completions = RolloutWriter(self.run_dir / "completions.jsonl", enabled=self.is_main and t.log_completions,
+                                    resume_step=resume_step)
         last: dict[str, float] = {}
         try:
             if t.val_before_train and self.state.global_step == 0:
-                self.logger.log(0, self._mean_over_processes(self.validate(0)), prefix="val/")
+                self.logger.log(0, self._reduce(self.validate(0)), prefix="val/")
             while self.state.global_step < self.total_steps:
                 step = self.state.global_step + 1
-                metrics = self._mean_over_processes(self.step(step))
+                metrics = self._reduce(self.step(step))
                 self.state.global_step = step
                 self.state.epoch = self.stream.epoch
                 self.logger.log(step, metrics)
                 last = metrics
-                if getattr(self, "_last_batch", None) is not None:
-                    if rollouts.enabled:
-                        rollouts.write(step, self.rollout_records(self._last_batch))
-                    if completions.enabled:
-                        completions.write(step, self.completion_records(self._last_batch))
+                batch = getattr(self, "_last_batch", None)
+                if t.log_rollouts and batch is not None:
+                    rollouts.write(step, self._gather_records(self.rollout_records(batch)))
+                if t.log_completions and batch is not None:
+                    completions.write(step, self._gather_records(self.completion_records(batch)))
                 if t.val_freq > 0 and step % t.val_freq == 0:
-                    self.logger.log(step, self._mean_over_processes(self.validate(step)), prefix="val/")
+                    self.logger.log(step, self._reduce(self.validate(step)), prefix="val/")
                 if t.save_freq > 0 and step % t.save_freq == 0:
                     self.save()
             if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
@@ -544,3 +650,9 @@ class GRPOTrainer:
             completions.close()
             self.logger.close()
         return last
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()

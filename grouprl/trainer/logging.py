@@ -1,9 +1,17 @@
-"""Where metrics and rollouts go: console, metrics JSONL, TensorBoard, optionally W&B."""
+"""Where metrics and rollouts go: console, metrics JSONL, TensorBoard, optionally W&B.
+
+A resumed run continues the files of the run it resumes. That run may have logged
+steps past its last checkpoint before it died; given ``resume_step`` (the step of
+the checkpoint resumed from), the writers first drop those steps, so that the
+files and TensorBoard hold each step once.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +41,65 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _record_step(line: bytes) -> int | None:
+    """The step of one JSONL record; None for a record without one. Raises ValueError if the line is not JSON."""
+    record = json.loads(line)  # bytes: a line cut inside a UTF-8 character fails here too
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def truncate_jsonl(path: Path, max_step: int) -> int:
+    """Keep only the records of ``path`` whose "step" is <= max_step; returns how many lines were dropped.
+
+    Records without a step are kept. A last line that is not valid JSON was cut by a kill and is
+    dropped; an unparsable line elsewhere is not ours to judge and is kept. The file is rewritten
+    through a temporary file in the same directory and renamed over it, so a kill now loses nothing;
+    a file with nothing to change is left untouched.
+    """
+    if not path.exists():
+        return 0
+    dropped, changed = 0, False
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+            unparsable = None  # held back until a next line shows it was not the last
+            for line in src:
+                if unparsable is not None:
+                    dst.write(unparsable)
+                    unparsable = None
+                if not line.endswith(b"\n"):  # only the last line can lack it: appends would glue onto it
+                    line, changed = line + b"\n", True
+                try:
+                    step = _record_step(line)
+                except ValueError:
+                    unparsable = line
+                    continue
+                if step is not None and step > max_step:
+                    dropped += 1
+                else:
+                    dst.write(line)
+            if unparsable is not None:  # the last line, torn by the kill
+                dropped += 1
+            dst.flush()
+            os.fsync(dst.fileno())
+        if dropped or changed:
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dropped
+
+
 class MetricsLogger:
-    """Writes one dict of scalar metrics per step to each enabled backend."""
+    """Writes one dict of scalar metrics per step to each enabled backend.
+
+    ``resume_step``: the step of the checkpoint a resumed run starts from. The JSONL file is cut back
+    to it and TensorBoard hides the killed run's events after it; None (a fresh run) appends.
+    """
 
     def __init__(self, run_dir: Path, backends: list[str], *, total_steps: int, config: dict | None = None,
-                 project: str = "grouprl", experiment: str = "run", enabled: bool = True, initial_step: int = 0):
+                 project: str = "grouprl", experiment: str = "run", enabled: bool = True, initial_step: int = 0,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.backends = set(backends)
         self.console = Console(stderr=True)
@@ -50,12 +112,17 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.backends:
-            # append: a resumed run continues the same file
+            # append: a resumed run continues the same file, less the steps it will redo
+            if resume_step is not None:
+                truncate_jsonl(run_dir / "metrics.jsonl", resume_step)
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # purge_step=T writes a restart marker: TensorBoard then drops the events of earlier
+            # files whose step is >= T, i.e. what the killed run logged after the checkpoint
+            purge_step = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         if "wandb" in self.backends:
             try:
                 import wandb
@@ -108,13 +175,19 @@ class MetricsLogger:
 
 
 class RolloutWriter:
-    """Appends one JSON line per response: prompt, response, reward components, advantage, annotations."""
+    """Appends one JSON line per response: prompt, response, reward components, advantage, annotations.
 
-    def __init__(self, path: Path, enabled: bool = True):
+    ``resume_step``: as for `MetricsLogger`, cut the file back to this step before appending. Pass it
+    only to the writer opened once at resume, not to one opened again later in the same run.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True, *, resume_step: int | None = None):
         self.enabled = enabled
         self._fh = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                truncate_jsonl(path, resume_step)
             self._fh = open(path, "a", buffering=1)
 
     def write(self, step: int, records: list[dict[str, Any]]) -> None:

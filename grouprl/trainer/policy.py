@@ -1,18 +1,36 @@
-"""Building the trainable policy, its optimizer and its learning-rate schedule from the config."""
+"""Building the trainable policy in its precision, spread over the processes, with its optimizer and schedule."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from grouprl.config import ActorConfig, ConfigError, ModelConfig
+from grouprl.config import ActorConfig, ConfigError, ModelConfig, TrainerConfig
+from grouprl.trainer.precision import Precision, precision_policy
 
 
-def build_policy(model_cfg: ModelConfig):
+def run_precision(model_cfg: ModelConfig, strategy: str) -> Precision:
+    """The run's precision policy; ``dtype: auto`` reads the checkpoint's dtype."""
+    checkpoint = None
+    if model_cfg.dtype == "auto":
+        from grouprl.models.loading import checkpoint_dtype
+
+        checkpoint = checkpoint_dtype(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        return precision_policy(model_cfg.dtype, strategy, lora=model_cfg.lora.rank > 0, checkpoint_dtype=checkpoint)
+    except ValueError as exc:
+        raise ConfigError(f"config keys 'worker.actor.model.dtype' / 'worker.actor.optim.strategy': {exc}") from exc
+
+
+def build_policy(model_cfg: ModelConfig, precision: Precision | None = None):
     """Load the policy with its processor, then apply freezing and LoRA as configured.
 
-    Returns ``(model, processor, is_vlm)``.
+    The weights are loaded in ``precision.load_dtype`` (fp32 masters for full
+    fine-tuning, the compute dtype for a frozen LoRA base) and LoRA adapters are held
+    in ``precision.param_dtype``. Returns ``(model, processor, is_vlm)``.
     """
     from grouprl.models.loading import apply_lora, freeze, load_model_and_processor
 
@@ -23,9 +41,10 @@ def build_policy(model_cfg: ModelConfig):
         # frozen again, or trained and then lost from every checkpoint
         raise ConfigError("'worker.actor.model.trainable_modules' cannot be combined with LoRA "
                           "('worker.actor.model.lora.rank' > 0) yet; use one or the other")
+    precision = precision or run_precision(model_cfg, "adamw")
     model, processor, is_vlm = load_model_and_processor(
         model_cfg.model_path,
-        dtype=model_cfg.dtype,
+        dtype=precision.load_dtype,
         trust_remote_code=model_cfg.trust_remote_code,
         gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
     )
@@ -36,8 +55,55 @@ def build_policy(model_cfg: ModelConfig):
         lora = model_cfg.lora
         targets = lora.target_modules[0] if lora.target_modules == ["all-linear"] else lora.target_modules
         model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                           target_modules=targets, exclude_vision=not lora.include_vision)
+                           target_modules=targets, exclude_vision=not lora.include_vision,
+                           adapter_dtype=precision.param_dtype)
     return model, processor, is_vlm
+
+
+@dataclass
+class TrainedPolicy:
+    """The policy as trained: ``model`` runs forward/backward (DDP- or FSDP-wrapped),
+    ``policy`` is the plain module underneath (saving, LoRA switches)."""
+
+    model: Any
+    policy: Any
+    processor: Any
+    is_vlm: bool
+    precision: Precision
+    accelerator: Any
+    sharded: bool
+
+
+def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
+    """Load the policy in the run's precision, start Accelerate, and spread the policy over the processes.
+
+    The Accelerator is made after the model because DDP's settings depend on it: a
+    vision tower that trains gets no gradient from text-only micro-batches, so DDP
+    must look for unused parameters.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from grouprl.models.prompts import unwrap_model
+    from grouprl.trainer.parallel import has_trainable_vision_tower, shard_fsdp
+
+    precision = run_precision(actor.model, actor.optim.strategy)
+    model, processor, is_vlm = build_policy(actor.model, precision)
+    find_unused = is_vlm and has_trainable_vision_tower(model)
+    accelerator = Accelerator(cpu=trainer.device == "cpu",
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
+    if trainer.device == "cuda" and accelerator.device.type != "cuda":
+        raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
+    sharded = actor.strategy == "fsdp"
+    if sharded:
+        if not torch.distributed.is_initialized():
+            raise ConfigError("config key 'worker.actor.strategy': fsdp needs a distributed launch "
+                              "(torchrun --nproc_per_node N -m grouprl train ...)")
+        model = shard_fsdp(model.to(accelerator.device), precision, accelerator.device)
+    else:
+        model = accelerator.prepare(model)
+    return TrainedPolicy(model=model, policy=unwrap_model(model), processor=processor, is_vlm=is_vlm,
+                         precision=precision, accelerator=accelerator, sharded=sharded)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -48,23 +114,32 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(model, actor: ActorConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; its state takes their dtype (see ``precision``)."""
     optim = actor.optim
     return torch.optim.AdamW(trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas),
                              weight_decay=optim.weight_decay)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, actor: ActorConfig, total_updates: int):
-    """Warm-up then constant, linear or cosine decay to ``min_lr_ratio`` of the peak."""
-    optim = actor.optim
-    warmup = int(optim.lr_warmup_ratio * total_updates)
-    floor = optim.min_lr_ratio
+def build_scheduler(optimizer: torch.optim.Optimizer, actor: ActorConfig, total_steps: int):
+    """Warm-up then constant, linear or cosine decay to ``min_lr_ratio`` of the peak.
 
-    def factor(update: int) -> float:
-        if update < warmup:
-            return (update + 1) / warmup
+    The schedule counts training steps, as verl and EasyR1 do: the trainer steps it
+    once per training step, so it ends with the run whatever number of optimizer
+    steps dynamic sampling or a short batch leaves a step, and every optimizer step of
+    one training step uses that step's rate. Step s (from 0) gets factor(s); the last
+    step of a decaying schedule gets the floor.
+    """
+    optim = actor.optim
+    warmup = int(optim.lr_warmup_ratio * total_steps)
+    floor = optim.min_lr_ratio
+    decay_steps = max(1, total_steps - warmup - 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
         if optim.lr_scheduler_type == "constant":
             return 1.0
-        progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+        progress = min(1.0, (step - warmup) / decay_steps)
         if optim.lr_scheduler_type == "linear":
             return floor + (1 - floor) * (1 - progress)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

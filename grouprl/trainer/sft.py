@@ -18,25 +18,16 @@ from grouprl.config import Config, ConfigError, save_config, to_dict
 from grouprl.data.sample import Sample
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer.logging import MetricsLogger
-from grouprl.trainer.policy import build_optimizer, build_policy, build_scheduler
-
-
-def end_of_turn_id(tokenizer) -> int:
-    """The token that ends an assistant turn: the chat template's end marker when there is one."""
-    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token in tokenizer.get_vocab():
-            return token_id
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token to end the SFT targets with")
-    return tokenizer.eos_token_id
+from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
+from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
 
 def answer_batch(processor, samples: list[Sample], *, max_prompt_length: int | None, max_response_length: int) -> RolloutBatch:
     """A RolloutBatch whose responses are the samples' reference answers followed by the end-of-turn token."""
-    from grouprl.models.prompts import encode_prompts
+    from grouprl.models.prompts import encode_prompts, end_of_turn_id, tokenizer_of
 
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     prompt_ids, prompt_mask, model_inputs = encode_prompts(processor, samples, max_prompt_length=max_prompt_length)
     end = end_of_turn_id(tokenizer)
     targets = []
@@ -60,40 +51,56 @@ def answer_batch(processor, samples: list[Sample], *, max_prompt_length: int | N
     )
 
 
+def _nll_log_probs(model, batch: RolloutBatch):
+    from grouprl.rollout.logprobs import compute_log_probs
+
+    return compute_log_probs(model, batch, micro_batch_size=len(batch), temperature=1.0)
+
+
+def _nll_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics):
+    """Token-mean negative log-likelihood of the reference answers over the whole batch."""
+    loss = algorithms.aggregate_loss(-log_prob, mb.loss_mask, "token-mean", num_tokens=norms.num_tokens)
+    return loss, {"loss": loss.detach()}
+
+
 def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None = None) -> Path:
-    """Train on reference answers and save a Hugging Face model (adapters merged) to ``output_dir``."""
-    from accelerate import Accelerator
+    """Train on reference answers and save a Hugging Face model (adapters merged) to ``output_dir``.
+
+    The same update loop, precision policy and process handling as GRPO training
+    (``trainer.update.run_update``); one optimizer step per batch of ``sft.batch_size``.
+    """
     from accelerate.utils import set_seed
 
-    from grouprl.rollout.logprobs import compute_log_probs
-    from grouprl.trainer.grpo import load_datasets
+    from grouprl.data import load_datasets
 
     sft, actor, t = config.sft, config.worker.actor, config.trainer
-    accelerator = Accelerator(cpu=t.device == "cpu")
     set_seed(t.seed)
     if train_dataset is None:
-        train_dataset, _ = load_datasets(config)
+        train_dataset, _ = load_datasets(config.data)
     out = Path(output_dir or config.run_dir / "sft_model")
     if sft.batch_size > len(train_dataset):
         raise ConfigError(f"config key 'sft.batch_size' ({sft.batch_size}) is larger than the dataset ({len(train_dataset)})")
-
-    model, processor, _ = build_policy(actor.model)
     if sft.lr is not None:
         actor.optim.lr = sft.lr
+
+    trained = setup_policy(actor, t)
+    accelerator, model, processor = trained.accelerator, trained.model, trained.processor
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if sft.batch_size % world:
+        raise ConfigError(f"config key 'sft.batch_size' ({sft.batch_size}) must be divisible by the number "
+                          f"of processes ({world})")
     steps_per_epoch = len(train_dataset) // sft.batch_size
     optimizer = build_optimizer(model, actor)
     scheduler = build_scheduler(optimizer, actor, sft.epochs * steps_per_epoch)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    settings = UpdateSettings(micro_batch_size=sft.micro_batch_size, max_grad_norm=actor.max_grad_norm)
     if accelerator.is_main_process:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, config.run_dir / "config.yaml")
     logger = MetricsLogger(config.run_dir / "sft", t.logger, total_steps=sft.epochs * steps_per_epoch,
                            config=to_dict(config), project=t.project_name, experiment=f"{t.experiment_name}-sft",
                            enabled=accelerator.is_main_process)
-    rank, world = accelerator.process_index, accelerator.num_processes
     step = 0
     try:
-        model.train()
         for epoch in range(sft.epochs):
             order = np.random.default_rng([config.data.seed, epoch]).permutation(len(train_dataset))
             for b in range(steps_per_epoch):
@@ -102,27 +109,31 @@ def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None
                 batch = answer_batch(processor, [train_dataset[int(i)] for i in indices],
                                      max_prompt_length=config.data.max_prompt_length,
                                      max_response_length=config.data.max_response_length)
-                num_tokens = accelerator.reduce(torch.tensor(float(batch.response_mask.sum()), device=accelerator.device), "sum").item()
-                total = 0.0
-                for rows in torch.arange(len(batch)).split(sft.micro_batch_size):
-                    mb = batch.select(rows)
-                    log_prob, _ = compute_log_probs(model, mb, micro_batch_size=len(mb), temperature=1.0)
-                    loss = algorithms.aggregate_loss(-log_prob, mb.response_mask, "token-mean", num_tokens=num_tokens)
-                    accelerator.backward(loss * world)
-                    total += loss.item()
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), actor.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                metrics = StepMetrics()
+                metrics.mean("sft/lr", scheduler.get_last_lr()[0])
+                run_update(model, optimizer, batch, log_prob_fn=_nll_log_probs, loss_fn=_nll_loss,
+                           accelerator=accelerator, precision=trained.precision, settings=settings,
+                           metrics=metrics, prefix="sft")
                 scheduler.step()
                 step += 1
-                logger.log(step, {"sft/loss": total, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0],
-                                  "timing/step_s": time.perf_counter() - t0, "epoch": float(epoch)})
+                metrics.max("timing/step_s", time.perf_counter() - t0)
+                metrics.mean("epoch", float(epoch))
+                logger.log(step, metrics.reduce(accelerator))
     finally:
         logger.close()
-    model.eval()
+    state_dict = _full_model_state(trained)  # every process takes part in gathering a sharded model
     if accelerator.is_main_process:
         from grouprl.models.export import save_merged
 
-        save_merged(accelerator.unwrap_model(model), processor, out)
+        save_merged(trained.policy, processor, out, state_dict=state_dict)
     accelerator.wait_for_everyone()
     return out
+
+
+def _full_model_state(trained) -> dict | None:
+    """The whole model's weights for a sharded policy (a collective; None otherwise)."""
+    if not trained.sharded:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(trained.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -6,6 +6,11 @@ them available by name (to rewards, the reward server and `grouprl eval`). The
 defaults are rule-based and offline; each score records its backend. Heavy
 optional libraries (sentence encoders, pycocoevalcap, httpx) are imported only
 when their metric is computed.
+
+The package is grouprl's ``radiology`` plugin (a ``grouprl.plugins`` entry point in
+pyproject.toml): the reward registry imports it the first time a config names one of
+its rewards (``editgrpo_composite``, ``kg_consistency``, ...), so the core never
+imports it itself.
 """
 
 from grouprl.rewards.radiology import (  # noqa: F401  (imported to register their components)

@@ -1,0 +1,124 @@
+"""Run under `torchrun --nproc_per_node 2`: the update loop across processes against one process's oracle.
+
+Every process builds the same model and the same batch of 8 rows, trains on its own
+half through `run_update` (DDP, micro-batches of 3 rows), and records the gradient
+the optimizer sees. The oracle is the gradient of the loss defined on the whole
+batch, computed by each process on a plain copy of the model. The script writes
+what it measured to `<out>/rank<r>.json`; tests/test_distributed.py judges it.
+
+    torchrun --nproc_per_node 2 tests/distributed/grad_check.py MODEL_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+class RecordingOptimizer(torch.optim.Optimizer):
+    """Keeps the gradients it is asked to apply, and applies nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.seen: list[dict[int, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.seen.append({id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]
+                          if p.grad is not None})
+
+
+def make_batch(vocab: int, rows: int = 8, prompt: int = 5, response: int = 7):
+    from grouprl.data.sample import Sample
+    from grouprl.rollout.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([7, 2, 5, 1, 6, 3, 7, 4])[:rows]  # unequal: token-mean and per-row norms differ
+    mask = (torch.arange(response).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    batch = RolloutBatch(
+        samples=[Sample(messages=[{"role": "user", "content": "x"}], index=i) for i in range(rows)],
+        group_index=torch.arange(rows) // 4,
+        prompt_ids=torch.randint(3, vocab, (rows, prompt), generator=g),
+        prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
+        response_ids=torch.randint(3, vocab, (rows, response), generator=g),
+        response_mask=mask, responses=[""] * rows, truncated=torch.zeros(rows, dtype=torch.bool))
+    batch.advantages = torch.randn(rows, 1, generator=g).expand(rows, response) * mask
+    batch.old_log_probs = None  # on-policy: ratio 1
+    batch.ref_log_probs = (-2.0 - torch.rand(rows, response, generator=g)) * mask
+    return batch
+
+
+def main() -> None:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from grouprl.config import config_from_dict
+    from grouprl.rollout.logprobs import compute_log_probs
+    from grouprl.trainer.grpo import grpo_loss
+    from grouprl.trainer.metrics import StepMetrics
+    from grouprl.trainer.precision import precision_policy
+    from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
+
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    batch = make_batch(base.config.vocab_size)
+    half = torch.arange(len(batch)).tensor_split(world)[rank]
+    result: dict = {"world_size": world, "rank": rank, "modes": {}}
+
+    def log_prob_fn(model, mb):
+        return compute_log_probs(model, mb, micro_batch_size=len(mb), temperature=1.0, with_entropy=True)
+
+    for mode in ("token-mean", "seq-mean-token-sum-norm"):
+        cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"}})
+        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor)
+
+        # the oracle: the whole batch in one piece, one process, no wrapper
+        oracle = copy.deepcopy(base)
+        lp, ent = log_prob_fn(oracle, batch)
+        whole = Normalisers(num_tokens=float(batch.loss_mask.sum()), num_seqs=float(len(batch)), norm_len=7.0)
+        loss, parts = loss_fn(batch, lp, ent, whole, StepMetrics())
+        loss.backward()
+        expected = {name: p.grad for name, p in oracle.named_parameters()}
+
+        model = accelerator.prepare(copy.deepcopy(base))
+        optimizer = RecordingOptimizer(model.parameters())
+        metrics = StepMetrics()
+        run_update(model, optimizer, batch.select(half), log_prob_fn=log_prob_fn, loss_fn=loss_fn,
+                   accelerator=accelerator, precision=precision_policy("float32"),
+                   settings=UpdateSettings(num_minibatches=1, micro_batch_size=3, max_grad_norm=1e9, norm_len=7.0),
+                   metrics=metrics)
+        (seen,) = optimizer.seen
+        names = {id(p): name for name, p in accelerator.unwrap_model(model).named_parameters()}
+        got = {names[i]: g for i, g in seen.items()}
+        reduced = metrics.reduce(accelerator)
+        result["modes"][mode] = {
+            "max_abs_grad_diff": max(float((got[n] - expected[n]).abs().max()) for n in expected),
+            "max_abs_grad": max(float(g.abs().max()) for g in expected.values()),
+            "same_parameters": sorted(got) == sorted(expected),
+            "pg_loss_logged": reduced["actor/pg_loss"], "pg_loss_whole": float(parts["pg_loss"]),
+            "kl_loss_logged": reduced["actor/kl_loss"], "kl_loss_whole": float(parts["kl_loss"]),
+        }
+        accelerator.free_memory()
+
+    # a metric one process logs and the other does not is an error naming it, not a hang
+    metrics = StepMetrics()
+    metrics.mean("shared", 1.0)
+    if rank == 1:
+        metrics.mean("only_on_rank_1", 2.0)
+    try:
+        metrics.reduce(accelerator)
+        result["schema_error"] = None
+    except RuntimeError as exc:
+        result["schema_error"] = str(exc)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
