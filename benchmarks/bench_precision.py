@@ -6,8 +6,9 @@ grouprl's real trainer, and reports:
 
 - the peak memory of the step (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the
   subprocess's peak resident set, which includes Python, torch and the data);
-- the bytes of live tensors per model parameter after the step: trained weights,
-  their gradients, AdamW's state, the reference model and the rollout copy;
+- the bytes of live tensors per model parameter: trained and frozen weights, AdamW's
+  state, the reference model and the rollout copy after the step, and the gradients
+  as the optimizer step sees them;
 - the ratio of each to the fp32 mode.
 
     python benchmarks/bench_precision.py                 # a ~50M-parameter stand-in, CPU
@@ -58,7 +59,8 @@ def build(root: Path, shape: str) -> Path:
 
     tiny = build_tiny_text_lm(root / "tokenizer", ["the quick brown fox jumps over the lazy dog"] * 4)
     base = Qwen2Config.from_pretrained(tiny)
-    config = Qwen2Config(**{**base.to_dict(), **SHAPES[shape], "max_window_layers": SHAPES[shape]["num_hidden_layers"]})
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, bos_token_id=base.bos_token_id,
+                         eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(root / "model")
@@ -91,13 +93,24 @@ def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: i
     }
     config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     trainer = GRPOTrainer(config)
+    # gradients live from the backward to the optimizer step: measure them there
+    grad_bytes = []
+    step = trainer.optimizer.step
+
+    def measuring_step(*args, **kwargs):
+        grad_bytes.append(sum(p.grad.untyped_storage().nbytes() for p in trainer.policy.parameters()
+                              if p.grad is not None))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = measuring_step
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     metrics = trainer._reduce(trainer.step(1))
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    return {"peak_bytes": peak, "seconds": seconds, "tensor_bytes": tensor_bytes(trainer),
+    return {"peak_bytes": peak, "seconds": seconds, "tensor_bytes": {**tensor_bytes(trainer),
+                                                                      "gradients": max(grad_bytes)},
             "parameters": sum(p.numel() for name, p in trainer.policy.named_parameters() if "lora_" not in name),
             "loss": metrics.get("actor/pg_loss")}
 
@@ -123,9 +136,6 @@ def tensor_bytes(trainer) -> dict[str, int]:
         "reference": size(trainer.ref_model.parameters()) if trainer.ref_model is not None else 0,
         "rollout_copy": size(trainer.engine.model.parameters()) if trainer.engine.holds_weights else 0,
     }
-    # gradients are freed after the optimizer step (set_to_none); while it runs they take the
-    # trained weights' dtype and size
-    out["gradients_at_peak"] = out["trained_weights"]
     return out
 
 

@@ -104,6 +104,11 @@ def test_two_processes_train_a_vlm_with_a_trainable_vision_tower(vlm, tmp_path):
         assert kept > 0 and kept % 2 == 0  # the same number of groups on both processes
         assert m["batch/responses"] == kept * 4
     assert val[0]["val/reward/mean"] is not None
+    # each key says how processes combine it
+    schema = json.loads((run / "metrics_schema.json").read_text())
+    assert schema["actor/pg_loss"] == "sum" and schema["dynamic_sampling/kept_groups"] == "sum"
+    assert schema[rank_key] == schema["reward"] == "moments" and schema["actor/clipfrac"] == "mean"
+    assert schema["timing/step_s"] == "max" and schema["val/reward"] == "moments"
 
     rollouts = read_jsonl(run / "rollouts.jsonl")
     assert {r["id"] for r in rollouts if r["step"] == 1} >= {"text0", "text1"}  # both processes' rows

@@ -131,14 +131,18 @@ def kill_while_saving_step_4(monkeypatch, trainer):
     monkeypatch.setattr(ckpt, "save_state_dict", dying)
 
 
-@pytest.mark.parametrize("kill", [kill_in_update_of_step_3, kill_after_logging_step_3, kill_while_saving_step_4])
-def test_killed_anywhere_then_resumed_matches_uninterrupted(setup, uninterrupted, tmp_path, monkeypatch, kill):
-    run = tmp_path / "run"
+def train_until_killed(setup, run: Path, monkeypatch, kill) -> None:
     killed = GRPOTrainer(config_from_dict(config(setup, run)))
     with monkeypatch.context() as patch:
         kill(patch, killed)
         with pytest.raises(Killed):
             killed.train()
+
+
+@pytest.mark.parametrize("kill", [kill_in_update_of_step_3, kill_after_logging_step_3, kill_while_saving_step_4])
+def test_killed_anywhere_then_resumed_matches_uninterrupted(setup, uninterrupted, tmp_path, monkeypatch, kill):
+    run = tmp_path / "run"
+    train_until_killed(setup, run, monkeypatch, kill)
     assert ckpt.latest_checkpoint(run / "checkpoints").name == "global_step_2"
 
     # TensorBoard reads event files in name order, and names start with the second they were
@@ -164,11 +168,7 @@ def test_killed_anywhere_then_resumed_matches_uninterrupted(setup, uninterrupted
 def test_resume_needs_every_rng_state(setup, uninterrupted, tmp_path, monkeypatch, source):
     """Resuming without one RNG state gives other weights: the test above would catch a lost RNG state."""
     run = tmp_path / "run"
-    killed = GRPOTrainer(config_from_dict(config(setup, run)))
-    with monkeypatch.context() as patch:
-        kill_in_update_of_step_3(patch, killed)
-        with pytest.raises(Killed):
-            killed.train()
+    train_until_killed(setup, run, monkeypatch, kill_in_update_of_step_3)
     restore = ckpt.set_rng_state
 
     def forgetful(state):

@@ -381,6 +381,9 @@ class EditTransform:
     a resumed run repeats the same edits on the same samples.
     """
 
+    # counts add up over processes; edit_rate (a share of rows) is averaged by rows
+    metric_kinds = {"edits/force_gt": "sum", **{f"edits/op_{t}": "sum" for t in OPERATION_TYPES}}
+
     def __init__(self, processor, *, eos_token_id: int, pad_token_id: int, num_ops_per_para: int = 1,
                  num_para: int = -1, tau: float = 0.6, force_gt_num: int = 0, seed: int = 0,
                  extractor: str = "rules", extractor_model_path: str | None = None,

@@ -316,9 +316,8 @@ def load_model_weights(model, path: Path) -> None:
     # through from_pretrained, which applies the same conversion in reverse.
     from grouprl.trainer.parallel import is_sharded, load_full_state_dicts
 
-    dtype = next(model.parameters()).dtype
-    saved = type(model).from_pretrained(str(model_dir), dtype=dtype) if not is_sharded(model) else \
-        _plain_class(model).from_pretrained(str(model_dir), dtype=dtype)
+    model_class = _plain_class(model) if is_sharded(model) else type(model)
+    saved = model_class.from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
     if is_sharded(model):
         load_full_state_dicts(model, None, saved.state_dict(), None)
         return

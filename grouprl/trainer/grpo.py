@@ -12,6 +12,7 @@ same number of rows at the update; metrics are reduced across processes by kind
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -366,7 +367,8 @@ class GRPOTrainer:
         """Log-probs without gradient, computed the way the update computes them (same precision)."""
         from grouprl.rollout.logprobs import compute_log_probs
 
-        context = self.precision.autocast(self.accelerator.device) if model is self.model else _no_context()
+        # the reference runs in its own (frozen) dtype; the policy as the update will run it
+        context = self.precision.autocast(self.accelerator.device) if model is self.model else contextlib.nullcontext()
         with context:
             return compute_log_probs(model, batch,
                                      micro_batch_size=self.config.worker.actor.micro_batch_size_per_device_for_experience,
@@ -598,7 +600,14 @@ class GRPOTrainer:
                 "strategy": self.config.worker.actor.strategy, "precision": self.precision.describe(),
                 "rollout_weights": "copy" if self.engine.holds_weights else "policy"}
 
-    def _reduce(self, metrics: StepMetrics) -> dict[str, float]:
+    def _reduce(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
+        """Every process's metrics combined; the main process records each key's kind in metrics_schema.json."""
+        if self.is_main:
+            known = getattr(self, "_schema", {})
+            new = {f"{prefix}{key}": kind for key, kind in metrics.schema if f"{prefix}{key}" not in known}
+            if new:
+                self._schema = {**known, **new}
+                write_text_atomic(self.run_dir / "metrics_schema.json", json.dumps(dict(sorted(self._schema.items())), indent=1))
         values = metrics.reduce(self.accelerator)
         # rates from totals over all processes and the slowest process's time
         if "perf/tokens" in values and values.get("timing/step_s"):
@@ -626,7 +635,7 @@ class GRPOTrainer:
         last: dict[str, float] = {}
         try:
             if t.val_before_train and self.state.global_step == 0:
-                self.logger.log(0, self._reduce(self.validate(0)), prefix="val/")
+                self.logger.log(0, self._reduce(self.validate(0), "val/"), prefix="val/")
             while self.state.global_step < self.total_steps:
                 step = self.state.global_step + 1
                 metrics = self._reduce(self.step(step))
@@ -640,7 +649,7 @@ class GRPOTrainer:
                 if t.log_completions and batch is not None:
                     completions.write(step, self._gather_records(self.completion_records(batch)))
                 if t.val_freq > 0 and step % t.val_freq == 0:
-                    self.logger.log(step, self._reduce(self.validate(step)), prefix="val/")
+                    self.logger.log(step, self._reduce(self.validate(step), "val/"), prefix="val/")
                 if t.save_freq > 0 and step % t.save_freq == 0:
                     self.save()
             if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
@@ -650,9 +659,3 @@ class GRPOTrainer:
             completions.close()
             self.logger.close()
         return last
-
-
-def _no_context():
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -82,7 +82,7 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
     must look for unused parameters.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
     from grouprl.models.prompts import unwrap_model
     from grouprl.trainer.parallel import has_trainable_vision_tower, shard_fsdp
@@ -95,6 +95,10 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
     if trainer.device == "cuda" and accelerator.device.type != "cuda":
         raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
     sharded = actor.strategy == "fsdp"
+    if accelerator.distributed_type == DistributedType.FSDP and not sharded:
+        # Accelerate would shard the policy its own way, which the rollout path knows nothing of
+        raise ConfigError("the launcher asked Accelerate for FSDP; set 'worker.actor.strategy: fsdp' instead "
+                          "(grouprl shards the policy with FSDP2 itself) and launch without --use_fsdp")
     if sharded:
         if not torch.distributed.is_initialized():
             raise ConfigError("config key 'worker.actor.strategy': fsdp needs a distributed launch "

@@ -4,12 +4,16 @@
 decides what the optimizer updates. Bytes per parameter of the model (AdamW, weights +
 gradients + the two moment estimates, then the frozen copies; activations not counted):
 
-| mode (dtype, strategy)            | trained weights | grads | AdamW m, v | reference (KL on) | rollout copy | total  |
-|-----------------------------------|----------------:|------:|-----------:|------------------:|-------------:|-------:|
-| float32, adamw                    | 4 (fp32)        | 4     | 8          | 4 (fp32)          | 0 (shared)   | 20     |
-| bfloat16, adamw (mixed, default)  | 4 (fp32 master) | 4     | 8          | 2 (bf16)          | 2 (bf16)     | 20     |
-| bfloat16, adamw_bf16 (lossy)      | 2 (bf16)        | 2     | 4          | 2 (bf16)          | 0 (shared)   | 10     |
-| LoRA over a bfloat16 base         | base 2 (bf16, frozen); adapters 4 + 4 + 8 per adapter parameter, fp32 | 0 (adapters off) | 0 (shared) | ~2 |
+| mode (dtype, strategy)            | trained weights | grads | AdamW m, v | reference (KL on) | rollout copy | total |
+|-----------------------------------|----------------:|------:|-----------:|------------------:|-------------:|------:|
+| float32, adamw                    | 4 (fp32)        | 4     | 8          | 4 (fp32)          | 0 (shared)   | 20    |
+| bfloat16, adamw (mixed, default)  | 4 (fp32 master) | 4     | 8          | 2 (bf16)          | 2 (bf16)     | 20    |
+| bfloat16, adamw_bf16 (lossy)      | 2 (bf16)        | 2     | 4          | 2 (bf16)          | 0 (shared)   | 10    |
+
+Under LoRA with bfloat16 the base is frozen in bf16 (2 bytes per parameter), the
+adapters, their gradients and AdamW state take 4 + 4 + 8 bytes per adapter
+parameter, the reference is the policy with its adapters off and the rollout
+samples from the policy itself: about 2 bytes per model parameter in all.
 
 Mixed precision is what EasyR1 and verl do: the optimizer updates fp32 master weights
 (at lr 1e-6 a bf16 weight of scale 0.02 cannot represent most updates: its spacing
