@@ -103,7 +103,9 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
         if not torch.distributed.is_initialized():
             raise ConfigError("config key 'worker.actor.strategy': fsdp needs a distributed launch "
                               "(torchrun --nproc_per_node N -m grouprl train ...)")
-        model = shard_fsdp(model.to(accelerator.device), precision, accelerator.device)
+        # sharded from host memory: each unit moves to the device as it is sharded, so no
+        # process ever holds the whole model there
+        model = shard_fsdp(model, precision, accelerator.device)
     else:
         model = accelerator.prepare(model)
     return TrainedPolicy(model=model, policy=unwrap_model(model), processor=processor, is_vlm=is_vlm,
