@@ -167,8 +167,19 @@ class ActorConfig:
 
 
 @dataclass
+class StaticCacheConfig:
+    """The ``hf_static`` engine: a static KV cache, a compiled decoder step, shape buckets."""
+
+    compile: bool = True  # false: static cache and buckets, eager decoding
+    backend: str = "inductor"  # torch.compile backend
+    mode: str | None = None  # torch.compile mode; None: reduce-overhead (CUDA graphs) on a GPU, default elsewhere
+    prompt_bucket: int = 64  # prompt widths are padded up to a multiple of this many tokens
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = field(default="hf", metadata=_choices("hf"))
+    engine: str = "hf"  # a registered rollout engine: hf | hf_static | vllm (grouprl.rollout.engine)
+    static_cache: StaticCacheConfig = field(default_factory=StaticCacheConfig)
     n: int = 5
     temperature: float = 1.0
     top_p: float = 1.0
@@ -471,12 +482,14 @@ def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
 def validate(config: Config) -> None:
     """Checks that need more than one field or a registry."""
     from grouprl import algorithms  # registries are pluggable, so read them at validation time
+    from grouprl.rollout.engine import engine_names
 
     algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
     _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
     _check_name("algorithm.policy_loss", algo.policy_loss, algorithms.POLICY_LOSSES)
     _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
     _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
+    _check_name("worker.rollout.engine", rollout.engine, dict.fromkeys(engine_names()))
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
     if rollout.temperature <= 0:

@@ -1,10 +1,28 @@
-"""The generation-engine interface: what the trainer asks of any way of sampling responses."""
+"""The generation-engine interface, and the registry that picks an engine by name.
+
+    engine = build_engine(config.worker.rollout.engine, model, processor, config=config)
+    batch = engine.generate(samples, SamplingParams(n=5, temperature=1.0, max_new_tokens=256))
+
+An engine samples ``n`` responses per prompt. A prompt comes from a Sample's
+messages and images, or already in token space (``EncodedPrompt``: ids and the
+image tensors they refer to) for a multi-turn rollout to continue from. It returns
+a RolloutBatch with response ids, masks and, when asked, the sampler's per-token
+log-probs. Engines are chosen by ``worker.rollout.engine``:
+
+- ``hf``: transformers ``generate``;
+- ``hf_static``: ``generate`` with a static KV cache and a compiled decoder, compiled
+  once per shape bucket;
+- ``vllm``: vLLM in the training process (``pip install 'grouprl[vllm]'``).
+
+Register another with ``register_engine(name, "package.module:Class")`` (or the class).
+"""
 
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +76,25 @@ class SamplingParams:
         return 1.0 if self.greedy else float(self.temperature)
 
 
+@dataclass
+class EncodedPrompt:
+    """A prompt already in token space, for an engine to continue from.
+
+    ``ids`` [P] are the tokens so far (no padding): a rendered first prompt, or a
+    whole dialogue with earlier responses kept as they were sampled. ``model_inputs``
+    holds the image tensors those ids refer to (``pixel_values``, ``image_grid_thw``),
+    as ``encode_prompts`` produces them.
+    """
+
+    ids: torch.Tensor
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 1 or self.ids.dtype != torch.long or not len(self.ids):
+            raise ValueError(f"EncodedPrompt.ids must be a non-empty 1-D long tensor, got {tuple(self.ids.shape)} "
+                             f"{self.ids.dtype}")
+
+
 class RolloutEngine(abc.ABC):
     """Samples responses for prompts.
 
@@ -65,15 +102,74 @@ class RolloutEngine(abc.ABC):
     consecutive, ``group_index`` the prompt's position in ``samples``.
     An engine that holds its own copy of the weights (``holds_weights``: a bf16
     rollout copy, vLLM) receives the trained ones through ``update_weights`` after
-    each training step.
+    each training step. ``sleep`` frees what the engine holds on the accelerator
+    while the trainer updates the policy, and ``wake_up`` brings it back; engines
+    without such memory (``supports_sleep`` False) do nothing.
     """
 
     holds_weights: bool = False
+    supports_sleep: bool = False
+    # whether the engine must own its weights whatever the trainer's precision (vLLM loads its own)
+    owns_weights: bool = False
+
+    @classmethod
+    def from_config(cls, model, processor, *, config, holds_weights: bool) -> "RolloutEngine":
+        """The engine for a training run: ``model`` is the policy, or a frozen copy when ``holds_weights``."""
+        roll = config.worker.rollout
+        return cls(model, processor, max_prompt_length=config.data.max_prompt_length,
+                   micro_batch_size=roll.micro_batch_size, holds_weights=holds_weights)
 
     @abc.abstractmethod
-    def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
-        """Sample ``params.n`` responses for each sample."""
+    def generate(self, samples: list[Sample], params: SamplingParams, *,
+                 prompts: list[EncodedPrompt] | None = None) -> RolloutBatch:
+        """Sample ``params.n`` responses for each sample (continuing ``prompts[i]`` when given)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``(parameter name, whole tensor)`` pairs, names as in the policy's transformers model."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory held for generation (weights and KV cache) until ``wake_up``."""
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` released."""
+
+
+# ---------------------------------------------------------------------------- the registry
+
+# name -> "module:Class" (imported when first asked for, so optional engines cost nothing) or the class
+_ENGINES: dict[str, str | type[RolloutEngine]] = {
+    "hf": "grouprl.rollout.hf_engine:HFGenerationEngine",
+    "hf_static": "grouprl.rollout.static_engine:StaticCacheEngine",
+    "vllm": "grouprl.rollout.vllm_engine:VLLMEngine",
+}
+
+
+def register_engine(name: str, engine: str | type[RolloutEngine], *, overwrite: bool = False) -> None:
+    """Make ``engine`` (a RolloutEngine subclass, or ``"module:Class"``) available as ``worker.rollout.engine: name``."""
+    if name in _ENGINES and not overwrite:
+        raise ValueError(f"rollout engine {name!r} is already registered (pass overwrite=True to replace it)")
+    _ENGINES[name] = engine
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class registered as ``name`` (imported on first use)."""
+    if name not in _ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names())}")
+    entry = _ENGINES[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _ENGINES[name] = entry
+    if not (isinstance(entry, type) and issubclass(entry, RolloutEngine)):
+        raise TypeError(f"rollout engine {name!r} is {entry!r}, not a RolloutEngine subclass")
+    return entry
+
+
+def build_engine(name: str, model, processor, *, config, holds_weights: bool = False) -> RolloutEngine:
+    """The engine ``name`` for a training run (see ``RolloutEngine.from_config``)."""
+    return engine_class(name).from_config(model, processor, config=config, holds_weights=holds_weights)

@@ -14,13 +14,14 @@ from grouprl.models.prompts import (
     collate_model_inputs,
     encode_prompts,
     forward_kwargs,
+    left_pad,
     model_device,
     pad_token_id,
     tokenizer_of,
     unwrap_model,
 )
 from grouprl.rollout.batch import RolloutBatch
-from grouprl.rollout.engine import RolloutEngine, SamplingParams
+from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 
 # Chat models end a turn with one of these; a checkpoint's tokenizer may name only one of them as EOS.
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")
@@ -79,10 +80,9 @@ class HFGenerationEngine(RolloutEngine):
         if missing:
             raise KeyError(f"update_weights left {len(missing)} parameter(s) of the rollout copy stale, e.g. {missing[:3]}")
 
-    def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
-        prompt_ids, prompt_mask, inputs = encode_prompts(
-            self.processor, samples, max_prompt_length=self.max_prompt_length, truncation=self.truncation
-        )
+    def generate(self, samples: list[Sample], params: SamplingParams, *,
+                 prompts: list[EncodedPrompt] | None = None) -> RolloutBatch:
+        prompt_ids, prompt_mask, inputs = self._encode(samples, prompts)
         n = params.n
         group_index = torch.arange(len(samples)).repeat_interleave(n)
         row_prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
@@ -99,18 +99,10 @@ class HFGenerationEngine(RolloutEngine):
         with _eval_mode(model), torch.no_grad(), _seeded(params.seed, device), _only_generation_config(model, config):
             for start in range(0, rows, step):
                 ids, mask = _trim_left(row_prompt_ids[start : start + step], row_prompt_mask[start : start + step])
-                kwargs = forward_kwargs(
-                    model,
-                    ids.to(device),
-                    mask.to(device),
-                    collate_model_inputs(row_inputs[start : start + step]),
-                    generation=True,
-                )
-                out = model.generate(**kwargs, generation_config=config)
-                new = out.sequences[:, ids.shape[1] :].cpu()
+                new, logits = self._generate_rows(model, ids, mask, row_inputs[start : start + step], config)
                 tokens.append(new)
                 if params.return_log_probs:
-                    logits = torch.stack(out.logits, dim=1).float() / params.log_prob_temperature
+                    logits = logits.float() / params.log_prob_temperature
                     picked = logits.gather(-1, new.to(logits.device).unsqueeze(-1)).squeeze(-1)
                     log_probs.append((picked - torch.logsumexp(logits, dim=-1)).cpu())
 
@@ -135,6 +127,30 @@ class HFGenerationEngine(RolloutEngine):
             model_inputs=row_inputs,
             rollout_log_probs=rollout_log_probs,
         )
+
+    def _encode(self, samples: list[Sample], prompts: list[EncodedPrompt] | None):
+        """Left-padded prompt ids, mask and per-prompt model inputs, from messages or given token ids."""
+        if prompts is None:
+            return encode_prompts(self.processor, samples, max_prompt_length=self.max_prompt_length,
+                                  truncation=self.truncation)
+        if len(prompts) != len(samples):
+            raise ValueError(f"got {len(prompts)} encoded prompts for {len(samples)} samples")
+        for sample, prompt in zip(samples, prompts):
+            if self.max_prompt_length is not None and len(prompt.ids) > self.max_prompt_length:
+                raise ValueError(f"sample {sample.id}: the prompt to continue has {len(prompt.ids)} tokens, more "
+                                 f"than max_prompt_length={self.max_prompt_length}")
+        ids, mask = left_pad([p.ids for p in prompts], self.pad_token_id)
+        return ids, mask, [dict(p.model_inputs) for p in prompts]
+
+    def _generate_rows(self, model, ids: torch.Tensor, mask: torch.Tensor, inputs: list[dict],
+                       config: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One ``generate`` call: the new tokens [b, T] (on the CPU) and, when asked, their logits [b, T, V]."""
+        device = model_device(model)
+        kwargs = forward_kwargs(model, ids.to(device), mask.to(device), collate_model_inputs(inputs), generation=True)
+        out = model.generate(**kwargs, generation_config=config)
+        new = out.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(out.logits, dim=1) if config.output_logits else None
+        return new, logits
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Only what the params say: a checkpoint's own sampling defaults

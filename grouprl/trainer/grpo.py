@@ -202,15 +202,17 @@ class GRPOTrainer:
 
         from grouprl.models.loading import check_image_tokens
         from grouprl.models.prompts import end_of_turn_id
-        from grouprl.rollout.hf_engine import HFGenerationEngine
+        from grouprl.rollout.engine import engine_class
 
         # Generation runs on a copy of the weights when the policy's own cannot serve:
-        # fp32 masters (sampling from a bf16 copy reads half the bytes per token) or an
-        # FSDP policy (its forward passes are collectives that generation cannot keep in step).
-        holds_weights = self.precision.rollout_copy or self.sharded
-        rollout_model = self._frozen_copy(actor.model.model_path) if holds_weights else self.policy
-        self.engine = HFGenerationEngine(rollout_model, self.processor, max_prompt_length=config.data.max_prompt_length,
-                                         micro_batch_size=roll.micro_batch_size, holds_weights=holds_weights)
+        # fp32 masters (sampling from a bf16 copy reads half the bytes per token), an FSDP
+        # policy (its forward passes are collectives that generation cannot keep in step),
+        # or an engine that loads its own (vLLM).
+        engine_cls = engine_class(roll.engine)
+        holds_weights = engine_cls.owns_weights or self.precision.rollout_copy or self.sharded
+        copy_here = holds_weights and not engine_cls.owns_weights
+        rollout_model = self._frozen_copy(actor.model.model_path) if copy_here else self.policy
+        self.engine = engine_cls.from_config(rollout_model, self.processor, config=config, holds_weights=holds_weights)
         self._sync_rollout_weights()
         if roll.extractor or config.algorithm.force_gt_num > 0:
             from grouprl.rollout.edits import EditTransform
