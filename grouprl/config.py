@@ -66,6 +66,22 @@ class OverlongConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling between the sampler's and the trainer's log-probs (TRL's vLLM correction).
+
+    w = exp(log pi_trainer - log pi_sampler) per token (``level: token``) or summed over the
+    response (``sequence``); ``truncate`` clips w to [clip_min, clip_max], ``mask`` zeroes
+    it outside; the policy loss of each token is multiplied by w.
+    """
+
+    enable: bool | None = None  # None: on when the sampler can differ from the trainer (vllm, one_step_off)
+    level: str = field(default="sequence", metadata=_choices("token", "sequence"))
+    mode: str = field(default="mask", metadata=_choices("truncate", "mask"))
+    clip_max: float | None = 3.0
+    clip_min: float | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
@@ -85,6 +101,7 @@ class AlgorithmConfig:
     overlong_buffer: OverlongConfig = field(default_factory=OverlongConfig)
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -180,6 +197,14 @@ class StaticCacheConfig:
 class RolloutConfig:
     engine: str = "hf"  # a registered rollout engine: hf | hf_static | vllm (grouprl.rollout.engine)
     static_cache: StaticCacheConfig = field(default_factory=StaticCacheConfig)
+    # vllm (EasyR1's names): the engine runs in the training process, on the same GPU
+    gpu_memory_utilization: float = 0.6  # share of the GPU's memory vLLM may take (weights + KV cache)
+    enforce_eager: bool = False  # no CUDA graphs (slower decoding, faster start)
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
+    enable_sleep_mode: bool = True  # free vLLM's GPU memory during the update
+    limit_images: int = 0  # most images per prompt (0: the data's own maximum)
     n: int = 5
     temperature: float = 1.0
     top_p: float = 1.0
