@@ -279,6 +279,11 @@ class TrainerConfig:
     log_completions: bool = False
     seed: int = 1
     device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    # sync: generate, score, train in turn. async_reward: score each rollout micro-batch
+    # (worker.rollout.micro_batch_size rows) while the next one generates. one_step_off:
+    # generate and score step k+1's batch (with the weights before step k's update) while
+    # step k trains; its old log-probs are recomputed and the staleness is logged.
+    async_mode: str = field(default="sync", metadata=_choices("sync", "async_reward", "one_step_off"))
 
 
 @dataclass
@@ -544,6 +549,9 @@ def validate(config: Config) -> None:
     if actor.optim.strategy == "adamw_bf16" and model.dtype != "bfloat16":
         raise ConfigError("config key 'worker.actor.optim.strategy': adamw_bf16 keeps parameters and optimizer "
                           f"state in bf16 and needs 'worker.actor.model.dtype: bfloat16'; got {model.dtype!r}")
+    if config.trainer.async_mode == "one_step_off" and algo.online_filtering:
+        raise ConfigError("config key 'trainer.async_mode': one_step_off with 'algorithm.online_filtering' is not "
+                          "supported yet (dynamic sampling agrees across processes while the next batch generates)")
     if actor.strategy == "fsdp" and model.lora.rank > 0:
         raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
                           "is not supported yet; LoRA adapters are small enough for ddp")

@@ -1,4 +1,5 @@
-"""Pure tensor functions of GRPO-family training: advantages, policy losses, loss aggregation, KL, filtering.
+"""Pure tensor functions of GRPO-family training: advantages, policy losses, loss aggregation, KL, filtering,
+rollout correction.
 
 Each family has a registry (name -> function) and a dispatcher that selects by name:
 
@@ -8,6 +9,10 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 - ``LOSS_AGG_MODES`` / ``aggregate_loss``: token-mean, seq-mean-token-sum,
   seq-mean-token-mean, seq-mean-token-sum-norm;
 - ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
+
+``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
+sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
+``rollout_mismatch_metrics`` gives the mismatch statistics to log.
 
 Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
 ``dense_group_index`` turns any of them into dense long group numbers.
@@ -33,12 +38,20 @@ from grouprl.algorithms.policy_losses import (
     compute_policy_loss,
     register_policy_loss,
 )
+from grouprl.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+    rollout_importance_weights,
+    rollout_mismatch_metrics,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_CORRECTION_MODES",
     "PolicyLossTerms",
     "aggregate_loss",
     "compute_advantages",
@@ -55,4 +68,6 @@ __all__ = [
     "register_loss_agg_mode",
     "register_policy_loss",
     "reward_std_per_group",
+    "rollout_importance_weights",
+    "rollout_mismatch_metrics",
 ]

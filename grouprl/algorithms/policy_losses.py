@@ -268,6 +268,7 @@ def compute_policy_loss(
     clip_ratio_high: float | None,
     clip_ratio_dual: float | None = None,
     loss_agg_mode: str = "token-mean",
+    token_weights: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar policy loss and metrics: aggregate_loss(POLICY_LOSSES[name](...).loss, m, loss_agg_mode).
@@ -285,6 +286,12 @@ def compute_policy_loss(
     loss sees them, so nan or inf there (padding, template tokens) leave the loss, its
     gradient (0 at those positions) and the metrics finite.
 
+    ``token_weights`` ([B, R], e.g. ``rollout_importance_weights``) scales each token's loss
+    before aggregation: aggregate_loss(w * l, m, loss_agg_mode). It is a constant (detached,
+    no gradient flows into it) and is replaced by 0 where m = 0, so nan or inf there reach
+    neither the loss nor its gradient. The metrics below ignore it. Without it (None) the
+    loss is the unweighted one, bit for bit.
+
     Metrics (python floats, means over valid tokens of this call's batch):
     ``clipfrac`` fraction of tokens where any clip bound is active (for PPO-style losses,
     the tokens whose gradient clipping zeroes), ``clipfrac_low``, ``clipfrac_high``,
@@ -299,6 +306,8 @@ def compute_policy_loss(
             "log_prob, old_log_prob, advantages and response_mask must share one [B, R] shape; got "
             + ", ".join(str(tuple(t.shape)) for t in (log_prob, old_log_prob, advantages, response_mask))
         )
+    if token_weights is not None and token_weights.shape != log_prob.shape:
+        raise ValueError(f"token_weights must have shape {tuple(log_prob.shape)}; got {tuple(token_weights.shape)}")
     fn = POLICY_LOSSES[name]
     declared = inspect.signature(fn).parameters
     agg_options = {k: options.pop(k) for k in AGGREGATION_OPTIONS if k in options}
@@ -318,7 +327,11 @@ def compute_policy_loss(
     advantages = _select_valid(advantages, response_mask)
     terms = fn(log_prob, old_log_prob, advantages, response_mask, **kwargs, **options)
 
-    loss = aggregate_loss(terms.loss, response_mask, loss_agg_mode, **agg_options)
+    per_token = terms.loss
+    if token_weights is not None:
+        # Selected before the product: nan * 0 would put nan into the loss's gradient at masked positions.
+        per_token = per_token * _select_valid(token_weights.detach(), response_mask)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, **agg_options)
 
     # Same keys for every loss so that logged series stay aligned when the loss changes.
     dual = terms.dual_clipped if terms.dual_clipped is not None else torch.zeros_like(terms.clipped_low)

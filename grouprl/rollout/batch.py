@@ -45,6 +45,9 @@ class RolloutBatch:
     reward_components: dict[str, list[float | None]] = field(default_factory=dict)
     scores: torch.Tensor | None = None  # [B] float, the weighted reward
     advantages: torch.Tensor | None = None  # [B, R]
+    # [B, R] per-token loss weights: the importance weights between the sampler and the trainer
+    # (``algorithms.rollout_importance_weights``), when the rollout is corrected
+    token_weights: torch.Tensor | None = None
     edited: torch.Tensor | None = None  # [B] bool, set by rollout transforms
     extras: dict[str, list[Any]] = field(default_factory=dict)  # per-row values passed to rewards as columns
 
@@ -82,6 +85,7 @@ class RolloutBatch:
             reward_components={k: [v[i] for i in keep] for k, v in self.reward_components.items()},
             scores=take(self.scores),
             advantages=take(self.advantages),
+            token_weights=take(self.token_weights),
             edited=take(self.edited),
             extras={k: [v[i] for i in keep] for k, v in self.extras.items()},
         )
@@ -150,6 +154,7 @@ class RolloutBatch:
             reward_components=per_row("reward_components"),
             scores=optional("scores", lambda t: t),
             advantages=optional("advantages", lambda t: right(t, r_width, 0)),
+            token_weights=optional("token_weights", lambda t: right(t, r_width, 0)),
             edited=optional("edited", lambda t: t),
             extras=per_row("extras"),
         )

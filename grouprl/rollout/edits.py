@@ -413,6 +413,15 @@ class EditTransform:
         self.edited_tokens = edited_tokens
         self.last_metrics: dict[str, float] = {}
 
+    @property
+    def group_local(self) -> bool:
+        """Whether each group's edits depend on that group alone (so a batch may be edited in parts).
+
+        ``num_para=-1`` edits within each group; ``num_para=k > 0`` and ``force_gt_num``
+        choose rows or groups across the whole batch.
+        """
+        return self.num_para <= 0 and self.force_gt_num == 0
+
     # -- choosing what to change
 
     def _rng(self, batch: RolloutBatch) -> random.Random:

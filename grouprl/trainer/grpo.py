@@ -12,6 +12,7 @@ same number of rows at the update; metrics are reduced across processes by kind
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -112,7 +113,7 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
     pg_loss, pg_metrics = algorithms.compute_policy_loss(
         algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
-        **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
+        token_weights=mb.token_weights, **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
     tokens = float(mb.loss_mask.sum())
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
@@ -209,7 +210,9 @@ class GRPOTrainer:
         # policy (its forward passes are collectives that generation cannot keep in step),
         # or an engine that loads its own (vLLM).
         engine_cls = engine_class(roll.engine)
-        holds_weights = engine_cls.owns_weights or self.precision.rollout_copy or self.sharded
+        # one_step_off samples while the policy trains: generation needs weights of its own
+        holds_weights = (engine_cls.owns_weights or self.precision.rollout_copy or self.sharded
+                         or t.async_mode == "one_step_off")
         copy_here = holds_weights and not engine_cls.owns_weights
         rollout_model = self._frozen_copy(actor.model.model_path) if copy_here else self.policy
         self.engine = engine_cls.from_config(rollout_model, self.processor, config=config, holds_weights=holds_weights)
@@ -226,10 +229,31 @@ class GRPOTrainer:
                 force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
                 extractor_model_path=roll.extractor_model_path,
                 edited_tokens=roll.extractor_edited_tokens))
+        self._check_async_mode()
+        correction = config.algorithm.rollout_correction
+        # the sampler's log-probs differ from the trainer's when another engine or stale weights sampled
+        self.correct_rollout = (correction.enable if correction.enable is not None
+                                else engine_cls.owns_weights or t.async_mode == "one_step_off")
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
         self.state = ckpt.TrainerState()
+        self._pending = None  # one_step_off: (step, future of that step's rollout)
+        self._consumed_stream = self.stream.state()  # the data position of the last batch trained on
+        self._background = None
+
+    def _check_async_mode(self) -> None:
+        mode, roll = self.config.trainer.async_mode, self.config.worker.rollout
+        if mode == "async_reward" and roll.micro_batch_size is None:
+            raise ConfigError("config key 'trainer.async_mode': async_reward scores each rollout micro-batch while "
+                              "the next generates; set 'worker.rollout.micro_batch_size' (rows per micro-batch)")
+        chunked = mode != "sync" and roll.micro_batch_size is not None
+        global_transforms = [type(t).__name__ for t in self.rollout_transforms if not getattr(t, "group_local", False)]
+        if chunked and global_transforms:
+            raise ConfigError(
+                f"config key 'trainer.async_mode': {mode} transforms rollouts one micro-batch at a time, but "
+                f"{', '.join(global_transforms)} chooses rows across the whole batch (EditGRPO's "
+                "'algorithm.force_gt_num' or 'worker.rollout.extractor_num_para' > 0); use sync, or num_para -1")
 
     def _frozen_copy(self, path: str):
         """The model at ``path`` in the precision's frozen dtype, on this process's device, never trained."""
@@ -259,7 +283,7 @@ class GRPOTrainer:
             top_k=None if validation or r.top_k <= 0 else r.top_k,
             max_new_tokens=self.config.data.max_response_length,
             seed=seed,
-            return_log_probs=self.config.trainer.log_completions and not validation,
+            return_log_probs=(self.config.trainer.log_completions or self.correct_rollout) and not validation,
         )
 
     def _score(self, batch: RolloutBatch):
@@ -285,24 +309,69 @@ class GRPOTrainer:
             batch.loss_mask = algorithms.mask_truncated(batch.loss_mask, batch.truncated)
         return result
 
-    def _record_rollout(self, batch: RolloutBatch, result, transforms: list, metrics: StepMetrics) -> None:
-        """What the policy produced this step, before any filtering."""
+    def _record_rollout(self, batch: RolloutBatch, result, transformed: list[tuple[object, dict]],
+                        metrics: StepMetrics) -> None:
+        """What the policy produced, before any filtering; ``transformed`` pairs each transform with its metrics."""
         rows = len(batch)
         record_rewards(metrics, result, self.rewards.keys)
         metrics.sum("reward/unscored_rows", float(sum(t is None for t in result.total)))
         zero_std = algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0
         metrics.mean("frac_reward_zero_std", float(zero_std.float().mean()) if rows else 0.0, rows)
-        for transform in transforms:
+        for transform, transform_metrics in transformed:
             kinds = getattr(transform, "metric_kinds", {})
-            for key, value in getattr(transform, "last_metrics", {}).items():
+            for key, value in transform_metrics.items():
                 if kinds.get(key) == "sum":
                     metrics.sum(key, value)
                 else:
                     metrics.mean(key, value, rows)
-        if transforms:
+        if transformed:
             for name, mask in (("edited", batch.edited), ("unedited", ~batch.edited)):
                 count = int(mask.sum())
                 metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
+
+    def _generate_and_score(self, prompts: list, params, metrics: StepMetrics | None) -> RolloutBatch:
+        """Generate, transform and score one round's prompts, ``worker.rollout.micro_batch_size`` rows at a time.
+
+        sync: every micro-batch is generated, then the transforms and rewards see the
+        whole batch. async_reward (and one_step_off): each micro-batch is transformed
+        and handed to a worker thread for scoring while the next one generates, so
+        slow rewards (a reward server, a judge model) overlap generation; transforms
+        must then work group by group. The micro-batches are generated with the same
+        seeds either way, so both modes sample the same responses.
+        """
+        n = params.n
+        per_chunk = max(1, (self.config.worker.rollout.micro_batch_size or len(prompts) * n) // n)
+        chunks = [prompts[i:i + per_chunk] for i in range(0, len(prompts), per_chunk)]
+
+        def generate(k: int) -> RolloutBatch:
+            return self.engine.generate(chunks[k], replace(params, seed=params.seed + 104_729 * k))
+
+        def transform(batch: RolloutBatch) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
+            transformed = []
+            for t in self.rollout_transforms:
+                batch = t(batch)
+                transformed.append((t, dict(getattr(t, "last_metrics", {}))))
+            return batch, transformed
+
+        pad = self.engine.pad_token_id
+        if self.config.trainer.async_mode == "sync" or len(chunks) == 1:
+            batch, transformed = transform(RolloutBatch.concat([generate(k) for k in range(len(chunks))],
+                                                                pad_token_id=pad))
+            result = self._score(batch)
+            if metrics is not None:
+                self._record_rollout(batch, result, transformed, metrics)
+            return batch
+        parts, scoring = [], []
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rewards") as pool:
+            for k in range(len(chunks)):
+                batch, transformed = transform(generate(k))
+                parts.append((batch, transformed))
+                scoring.append(pool.submit(self._score, batch))  # scores while the next chunk generates
+            results = [f.result() for f in scoring]
+        if metrics is not None:
+            for (batch, transformed), result in zip(parts, results):
+                self._record_rollout(batch, result, transformed, metrics)
+        return RolloutBatch.concat([batch for batch, _ in parts], pad_token_id=pad)
 
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
@@ -328,12 +397,8 @@ class GRPOTrainer:
         while True:
             prompts = self.stream.next_batch()
             # each extra round draws new prompts; a new seed keeps its samples independent too
-            batch = self.engine.generate(prompts, replace(params, seed=params.seed + 7919 * rounds))
-            for transform in self.rollout_transforms:
-                batch = transform(batch)
-            result = self._score(batch)
-            if rounds == 0:
-                self._record_rollout(batch, result, self.rollout_transforms, metrics)
+            batch = self._generate_and_score(prompts, replace(params, seed=params.seed + 7919 * rounds),
+                                             metrics if rounds == 0 else None)
             if not algo.online_filtering:
                 return batch
             keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
@@ -383,6 +448,71 @@ class GRPOTrainer:
         with self.policy.disable_adapter():
             return self._log_probs(self.model, batch)
 
+    # ------------------------------------------------------------------ one-step-off pipeline
+
+    def _next_rollout(self, step: int, metrics: StepMetrics) -> tuple[RolloutBatch | None, bool]:
+        """This step's scored batch, and whether it was sampled before the last update (one_step_off).
+
+        In one_step_off mode the batch of step k+1 is generated and scored in a worker
+        thread, by the engine's copy of the weights from before step k's update, while
+        step k trains; the first step (and the first after a resume) generates in line.
+        """
+        if self.config.trainer.async_mode != "one_step_off":
+            batch = self.rollout(step, metrics)
+            self._consumed_stream = self.stream.state()
+            return batch, False
+        stale = self._pending is not None and self._pending[0] == step
+        if stale:
+            t0 = time.perf_counter()
+            batch, rollout_metrics = self._pending[1].result()
+            metrics.max("timing/rollout_wait_s", time.perf_counter() - t0)
+            metrics.merge(rollout_metrics)
+        else:
+            batch = self.rollout(step, metrics)
+        self._pending = None
+        metrics.mean("async/staleness_steps", float(stale))
+        # what a checkpoint after this step must record: the next batch is drawn in the background
+        self._consumed_stream = self.stream.state()
+        if step < self.total_steps:
+            if self._background is None:
+                self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rollout")
+            self._pending = (step + 1, self._background.submit(self._rollout_in_background, step + 1))
+        return batch, stale
+
+    def _rollout_in_background(self, step: int) -> tuple[RolloutBatch | None, StepMetrics]:
+        metrics = StepMetrics()
+        stream = torch.cuda.Stream() if self.accelerator.device.type == "cuda" else None
+        # its own CUDA stream, so that generation kernels can run beside the update's
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            batch = self.rollout(step, metrics)
+        if stream is not None:
+            stream.synchronize()
+        return batch, metrics
+
+    def _finish_pending(self, metrics: StepMetrics) -> None:
+        """Wait until the next step's rollout, if one is being generated, is done with the engine."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            concurrent.futures.wait([self._pending[1]])
+            metrics.max("timing/rollout_overhang_s", time.perf_counter() - t0)
+
+    def _correct_rollout(self, batch: RolloutBatch, metrics: StepMetrics) -> None:
+        """Importance weights between the trainer's old log-probs and the sampler's, with their mismatch logged."""
+        if batch.rollout_log_probs is None:
+            raise RuntimeError("rollout correction is on, but the engine returned no sampler log-probs")
+        c = self.config.algorithm.rollout_correction
+        weights = algorithms.rollout_importance_weights(batch.old_log_probs, batch.rollout_log_probs,
+                                                        batch.loss_mask, level=c.level, mode=c.mode,
+                                                        clip_max=c.clip_max, clip_min=c.clip_min)
+        sampled = ~batch.edited  # a rewritten row was never sampled: nothing to correct
+        weights = torch.where(sampled.unsqueeze(-1), weights, batch.loss_mask.to(weights.dtype))
+        batch.token_weights = weights
+        rows = batch.select(sampled.nonzero().squeeze(-1))
+        stats = algorithms.rollout_mismatch_metrics(rows.old_log_probs, rows.rollout_log_probs, rows.loss_mask,
+                                                    weights[sampled], level=c.level)
+        for key, (value, weight) in stats.items():
+            metrics.mean(key, value, weight)
+
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> StepMetrics:
@@ -391,7 +521,7 @@ class GRPOTrainer:
         metrics = StepMetrics()
         t0 = time.perf_counter()
         self._last_batch = None
-        batch = self.rollout(step, metrics)
+        batch, stale = self._next_rollout(step, metrics)
         t_rollout = time.perf_counter() - t0
         # every process takes this branch together: dynamic sampling agrees on the count
         metrics.mean("actor/skipped_step", float(batch is None))
@@ -402,6 +532,7 @@ class GRPOTrainer:
                 # first one is skipped, before any optimizer step
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
                 self.scheduler.step()
+            self._finish_pending(metrics)
             return metrics
 
         kl_on = algo.kl_coef > 0
@@ -409,9 +540,12 @@ class GRPOTrainer:
         settings = self.update_settings
         # With one update per rollout the sampling policy is the one being trained, so
         # its log-probs come for free from the update's own forward (ratio exactly 1).
-        on_policy = settings.epochs == 1 and settings.num_minibatches == 1
-        if not on_policy or kl_in_reward:
+        # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
+        on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
+        if not on_policy or kl_in_reward or self.correct_rollout:
             batch.old_log_probs = self._log_probs(self.model, batch)
+        if self.correct_rollout:
+            self._correct_rollout(batch, metrics)
         if kl_on:
             batch.ref_log_probs = self._reference_log_probs(batch)
 
@@ -427,6 +561,7 @@ class GRPOTrainer:
         run_update(self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
                    accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
         self.scheduler.step()
+        self._finish_pending(metrics)  # the engine must be idle before its weights change
         self._sync_rollout_weights()
         self._batch_metrics(batch, metrics)
         elapsed = time.perf_counter() - t0
@@ -576,6 +711,7 @@ class GRPOTrainer:
                                              process_index=self.accelerator.process_index,
                                              num_processes=self.accelerator.num_processes)
         self.stream.load_state(self.state.extra["stream"])
+        self._consumed_stream = self.stream.state()
         self._sync_rollout_weights()
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
@@ -584,7 +720,8 @@ class GRPOTrainer:
         """Write a checkpoint (every process takes part; the main one writes)."""
         from accelerate.utils import gather_object
 
-        self.state.extra["stream"] = self.stream.state()
+        # the position after the last batch trained on (one_step_off may have drawn the next already)
+        self.state.extra["stream"] = dict(self._consumed_stream)
         model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
@@ -657,6 +794,9 @@ class GRPOTrainer:
             if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
                 self.save()
         finally:
+            if self._background is not None:
+                self._background.shutdown(wait=True, cancel_futures=True)
+                self._background, self._pending = None, None
             rollouts.close()
             completions.close()
             self.logger.close()

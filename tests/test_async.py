@@ -1,0 +1,172 @@
+"""Asynchronous modes: rewards scored while the next micro-batch generates, and one-step-off training.
+
+Overlap is shown by order, never by timing: a reward (or an optimizer step) waits for
+an event that only the overlapping work sets, with a timeout that fails the test in
+a loop that does not overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, config_from_dict
+from grouprl.trainer.grpo import GRPOTrainer
+
+WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
+WAIT = 60  # seconds: only reached when the overlap is missing (the test then fails)
+
+REWARD = '''
+import zlib
+
+def varied(prompts, completions, **kwargs):
+    return [(zlib.crc32(c.encode()) % 7) / 6 for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from grouprl.models.tiny import build_tiny_text_lm
+
+    root = tmp_path_factory.mktemp("async")
+    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(4) for w in WORDS]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "reward.py").write_text(REWARD)
+    model = build_tiny_text_lm(root / "model", [r["problem"] for r in records] + WORDS, seed=0)
+    return {"root": root, "model": model}
+
+
+def config(setup, out, mode: str, **extra) -> dict:
+    cfg = {
+        "data": {"train_files": [str(setup["root"] / "train.jsonl")], "max_response_length": 6,
+                 "rollout_batch_size": 4},
+        "worker": {"actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
+                             "global_batch_size": 4, "micro_batch_size_per_device_for_update": 8},
+                   "rollout": {"n": 2, "micro_batch_size": 4},  # two generation micro-batches per step
+                   "reward": {"functions": [{"name": f"{setup['root'] / 'reward.py'}:varied"}]}},
+        "trainer": {"output_dir": str(out), "max_steps": 3, "logger": ["jsonl"], "device": "cpu",
+                    "async_mode": mode, "save_freq": -1},
+    }
+    for dotted, value in extra.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def rollouts(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_async_reward_trains_exactly_like_sync(setup, tmp_path):
+    sync = GRPOTrainer(config_from_dict(config(setup, tmp_path / "sync", "sync")))
+    sync.train()
+    overlapped = GRPOTrainer(config_from_dict(config(setup, tmp_path / "async", "async_reward")))
+    overlapped.train()
+    keys = ("step", "id", "response", "score", "advantage")
+    assert [[r[k] for k in keys] for r in rollouts(tmp_path / "async")] == \
+        [[r[k] for k in keys] for r in rollouts(tmp_path / "sync")]
+    for (name, a), b in zip(sync.policy.named_parameters(), overlapped.policy.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_async_reward_scores_while_the_next_micro_batch_generates(setup, tmp_path):
+    """The reward of micro-batch 1 waits until micro-batch 2 has begun generating."""
+    trainer = GRPOTrainer(config_from_dict(config(setup, tmp_path / "run", "async_reward",
+                                                  **{"trainer.max_steps": 1})))
+    second_began = threading.Event()
+    generate = trainer.engine.generate
+    calls = []
+
+    def watched_generate(samples, params, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 2:
+            second_began.set()
+        return generate(samples, params, **kwargs)
+
+    reward = trainer.rewards.components[0]
+    threads = []
+
+    def blocking_reward(prompts, completions, **columns):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            assert second_began.wait(WAIT), "micro-batch 1 was scored before micro-batch 2 began generating"
+        return reward.fn(prompts, completions, **columns)
+
+    trainer.engine.generate = watched_generate
+    trainer.rewards.components[0] = type(reward)(reward.key, blocking_reward, reward.weight, reward.spec)
+    trainer.train()
+    assert len(calls) == 2 and all(name.startswith("grouprl-rewards") for name in threads)
+
+
+def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path):
+    trainer = GRPOTrainer(config_from_dict(config(setup, tmp_path / "run", "one_step_off")))
+    assert trainer.engine.holds_weights and trainer.correct_rollout  # a copy to sample from, and IS weights
+    next_began = threading.Event()
+    generate = trainer.engine.generate
+
+    def watched_generate(samples, params, **kwargs):
+        if threading.current_thread().name.startswith("grouprl-rollout"):
+            next_began.set()
+        return generate(samples, params, **kwargs)
+
+    step = trainer.optimizer.step
+
+    def waiting_step(*args, **kwargs):
+        assert next_began.wait(WAIT), "the next step's rollout did not start before this update"
+        next_began.clear()
+        return step(*args, **kwargs)
+
+    trainer.engine.generate = watched_generate
+    trainer.optimizer.step = waiting_step
+    before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+    trainer.train()
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["async/staleness_steps"] for m in metrics] == [0.0, 1.0, 1.0]
+    for m in metrics:
+        assert m["mismatch/weight_mean"] is not None and m["actor/skipped_step"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.named_parameters())
+    # the engine's copy follows the trained weights once the pipeline drains
+    copy = dict(trainer.engine.model.named_parameters())
+    assert all(torch.equal(copy[k], v) for k, v in trainer.policy.named_parameters())
+
+
+def test_one_step_off_resumes_at_the_right_prompts(setup, tmp_path):
+    """The next batch is drawn before a checkpoint is written: the checkpoint still records the trained position."""
+    full = GRPOTrainer(config_from_dict(config(setup, tmp_path / "full", "one_step_off")))
+    full.train()
+    # saved at step 2 while step 3's batch was being drawn and generated; killed at step 3
+    killed = GRPOTrainer(config_from_dict(config(setup, tmp_path / "cut", "one_step_off",
+                                                 **{"trainer.save_freq": 2})))
+    original = killed.step
+
+    def dying(step):
+        if step == 3:
+            raise KeyboardInterrupt("killed")
+        return original(step)
+
+    killed.step = dying
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed = config(setup, tmp_path / "cut", "one_step_off", **{"trainer.resume": "auto", "trainer.save_freq": 2})
+    GRPOTrainer(config_from_dict(resumed)).train()
+
+    def prompts_of(run, step):
+        return sorted({r["id"] for r in rollouts(run) if r["step"] == step})
+
+    assert prompts_of(tmp_path / "cut", 3) == prompts_of(tmp_path / "full", 3)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"trainer.async_mode": "async_reward", "worker.rollout.micro_batch_size": None}, "set 'worker.rollout.micro_batch_size'"),
+    ({"trainer.async_mode": "one_step_off", "algorithm.online_filtering": True}, "online_filtering"),
+    ({"trainer.async_mode": "async_reward", "algorithm.force_gt_num": 1}, "EditTransform chooses rows across"),
+])
+def test_async_modes_refuse_what_they_cannot_do(setup, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(config_from_dict(config(setup, tmp_path / "run", "sync", **overrides)))
