@@ -135,7 +135,7 @@ def run_grouprl(spec: dict) -> dict:
                       "micro_batch_size_per_device_for_update": micro,
                       "micro_batch_size_per_device_for_experience": micro,
                       "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_dual": None},
-            "rollout": {"n": n, "temperature": 1.0, "top_p": 1.0, "top_k": -1},
+            "rollout": {"n": n, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "engine": spec["engine"]},
         },
         "trainer": {"output_dir": spec["run_dir"], "max_steps": spec["steps"], "logger": ["jsonl"],
                     "device": "cpu", "seed": spec["seed"], "save_freq": -1},
@@ -147,8 +147,9 @@ def run_grouprl(spec: dict) -> dict:
     def timed_step(i):
         metrics = step(i)
         ends.append(time.perf_counter())
-        rewards.append(metrics["reward/mean"])
-        lengths.append(metrics["response_length/mean"])
+        values = metrics.local()  # one process: its own values are the step's
+        rewards.append(values["reward/mean"])
+        lengths.append(values["response_length/mean"])
         return metrics
 
     trainer.step = timed_step
@@ -264,6 +265,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=64, help="tiny model width")
     p.add_argument("--layers", type=int, default=2, help="tiny model depth")
     p.add_argument("--frameworks", default="grouprl,trl", help="comma-separated subset of grouprl,trl")
+    p.add_argument("--engine", default="hf", help="grouprl's rollout engine (worker.rollout.engine): hf or hf_static")
     p.add_argument("--out", default="bench_vs_trl.json", help="where to write the JSON result")
     p.add_argument("--keep", default=None, help="keep the model, data, logs and run directories under this path")
     p.add_argument("--_worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
@@ -383,7 +385,7 @@ def main(argv=None) -> int:
         spec = {"data": str(data), "model": str(model), "steps": args.steps, "n": args.n,
                 "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
                 "micro_batch": args.micro_batch, "lr": args.lr, "seed": args.seed, "threads": args.threads,
-                "last_k": args.last_k}
+                "last_k": args.last_k, "engine": args.engine}
         runs: dict[str, list[dict]] = {name: [] for name in frameworks}
         for repeat in range(args.repeats):
             # alternate the order so that neither framework always runs on a warmer (or busier) machine

@@ -107,23 +107,31 @@ def test_async_reward_scores_while_the_next_micro_batch_generates(setup, tmp_pat
 def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path):
     trainer = GRPOTrainer(config_from_dict(config(setup, tmp_path / "run", "one_step_off")))
     assert trainer.engine.holds_weights and trainer.correct_rollout  # a copy to sample from, and IS weights
-    next_began = threading.Event()
+    progress = threading.Condition()
+    updates, background_calls = [], []
+    step = trainer.optimizer.step
+
+    def noting_step(*args, **kwargs):
+        with progress:
+            updates.append(1)  # one optimizer step per training step here
+            progress.notify_all()
+        return step(*args, **kwargs)
+
     generate = trainer.engine.generate
 
     def watched_generate(samples, params, **kwargs):
         if threading.current_thread().name.startswith("grouprl-rollout"):
-            next_began.set()
+            background_calls.append(1)
+            call = len(background_calls)
+            if call % 2 == 1:  # the first of the two micro-batches of background rollout j = (call + 1) // 2
+                j = (call + 1) // 2
+                with progress:  # generating for step j + 1 goes on only once step j's update is under way
+                    assert progress.wait_for(lambda: len(updates) >= j, WAIT), \
+                        f"the rollout for step {j + 1} finished before step {j}'s update began"
         return generate(samples, params, **kwargs)
 
-    step = trainer.optimizer.step
-
-    def waiting_step(*args, **kwargs):
-        assert next_began.wait(WAIT), "the next step's rollout did not start before this update"
-        next_began.clear()
-        return step(*args, **kwargs)
-
     trainer.engine.generate = watched_generate
-    trainer.optimizer.step = waiting_step
+    trainer.optimizer.step = noting_step
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     trainer.train()
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

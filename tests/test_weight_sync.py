@@ -107,7 +107,7 @@ def test_unknown_names_are_refused(paths):
 
 @pytest.mark.parametrize("which", ["vlm", "lm"])
 def test_lora_is_merged_out_of_place(paths, which):
-    model, processor, _ = load_model_and_processor(paths[which])
+    model, _, _ = load_model_and_processor(paths[which])
     on_disk_names = set(saved(paths[which]))
     policy = with_lora(model)
     policy.train()
@@ -213,7 +213,8 @@ def test_ddp_and_fsdp2_on_two_processes(paths, tmp_path):
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script), str(paths["lm"]), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

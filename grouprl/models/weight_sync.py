@@ -87,8 +87,12 @@ def checkpoint_names(model) -> dict[str, str]:
     more than names (transformers converters that fuse or split tensors, e.g. MoE
     experts): one name per tensor cannot describe it.
     """
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError as err:  # transformers 4 renamed through _checkpoint_conversion_mapping instead
+        raise ImportError("weight sync by checkpoint name needs transformers >= 5 (its save_pretrained conversion "
+                          "machinery)") from err
 
     root = unwrap_model(model)
     base = transformers_model(model)
@@ -169,7 +173,7 @@ def _modules_to_save_wrappers(root) -> dict[str, torch.nn.Module]:
     found = {}
     for name, module in root.named_modules():
         if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
-            found[name[len(prefix):] if name.startswith(prefix) else name] = module
+            found[name.removeprefix(prefix) if prefix else name] = module
     return found
 
 

@@ -329,7 +329,8 @@ class GRPOTrainer:
                 count = int(mask.sum())
                 metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
 
-    def _generate_and_score(self, prompts: list, params, metrics: StepMetrics | None) -> RolloutBatch:
+    def _generate_and_score(self, prompts: list, params, metrics: StepMetrics, spent: dict[str, float], *,
+                            record: bool = True) -> RolloutBatch:
         """Generate, transform and score one round's prompts, ``worker.rollout.micro_batch_size`` rows at a time.
 
         sync: every micro-batch is generated, then the transforms and rewards see the
@@ -337,14 +338,25 @@ class GRPOTrainer:
         and handed to a worker thread for scoring while the next one generates, so
         slow rewards (a reward server, a judge model) overlap generation; transforms
         must then work group by group. The micro-batches are generated with the same
-        seeds either way, so both modes sample the same responses.
+        seeds either way, so both modes sample the same responses. ``record`` (the first
+        round of a step) logs what was sampled; ``spent`` adds up the seconds spent
+        generating and scoring over the rounds.
         """
         n = params.n
         per_chunk = max(1, (self.config.worker.rollout.micro_batch_size or len(prompts) * n) // n)
         chunks = [prompts[i:i + per_chunk] for i in range(0, len(prompts), per_chunk)]
 
         def generate(k: int) -> RolloutBatch:
-            return self.engine.generate(chunks[k], replace(params, seed=params.seed + 104_729 * k))
+            t0 = time.perf_counter()
+            batch = self.engine.generate(chunks[k], replace(params, seed=params.seed + 104_729 * k))
+            spent["generate"] += time.perf_counter() - t0
+            return batch
+
+        def score(batch: RolloutBatch):
+            t0 = time.perf_counter()
+            result = self._score(batch)
+            spent["reward"] += time.perf_counter() - t0
+            return result
 
         def transform(batch: RolloutBatch) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
             transformed = []
@@ -357,8 +369,8 @@ class GRPOTrainer:
         if self.config.trainer.async_mode == "sync" or len(chunks) == 1:
             batch, transformed = transform(RolloutBatch.concat([generate(k) for k in range(len(chunks))],
                                                                 pad_token_id=pad))
-            result = self._score(batch)
-            if metrics is not None:
+            result = score(batch)
+            if record:
                 self._record_rollout(batch, result, transformed, metrics)
             return batch
         parts, scoring = [], []
@@ -366,9 +378,9 @@ class GRPOTrainer:
             for k in range(len(chunks)):
                 batch, transformed = transform(generate(k))
                 parts.append((batch, transformed))
-                scoring.append(pool.submit(self._score, batch))  # scores while the next chunk generates
+                scoring.append(pool.submit(score, batch))  # scores while the next chunk generates
             results = [f.result() for f in scoring]
-        if metrics is not None:
+        if record:
             for (batch, transformed), result in zip(parts, results):
                 self._record_rollout(batch, result, transformed, metrics)
         return RolloutBatch.concat([batch for batch, _ in parts], pad_token_id=pad)
@@ -394,23 +406,30 @@ class GRPOTrainer:
         wanted = self.config.data.rollout_batch_size // self.accelerator.num_processes
         kept: list[RolloutBatch] = []
         kept_groups = rounds = 0
-        while True:
-            prompts = self.stream.next_batch()
-            # each extra round draws new prompts; a new seed keeps its samples independent too
-            batch = self._generate_and_score(prompts, replace(params, seed=params.seed + 7919 * rounds),
-                                             metrics if rounds == 0 else None)
-            if not algo.online_filtering:
-                return batch
-            keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
-            if keep.any():
-                part = batch.select(keep.nonzero().squeeze(-1))
-                kept.append(part)
-                kept_groups += int(part.group_index.unique().numel())
-            rounds += 1
-            # the same decision on every process: they draw the same number of prompt batches
-            fewest = self._fewest_over_processes(kept_groups)
-            if fewest >= wanted or rounds > algo.max_filter_rounds:
-                break
+        spent = {"generate": 0.0, "reward": 0.0}
+        try:
+            while True:
+                prompts = self.stream.next_batch()
+                # each extra round draws new prompts; a new seed keeps its samples independent too
+                batch = self._generate_and_score(prompts, replace(params, seed=params.seed + 7919 * rounds),
+                                                 metrics, spent, record=rounds == 0)
+                if not algo.online_filtering:
+                    return batch
+                keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
+                if keep.any():
+                    part = batch.select(keep.nonzero().squeeze(-1))
+                    kept.append(part)
+                    kept_groups += int(part.group_index.unique().numel())
+                rounds += 1
+                # the same decision on every process: they draw the same number of prompt batches
+                fewest = self._fewest_over_processes(kept_groups)
+                if fewest >= wanted or rounds > algo.max_filter_rounds:
+                    break
+        finally:
+            # a process's own seconds over all rounds; scoring overlaps generation in the
+            # asynchronous modes, so the two may add up to more than the rollout took
+            metrics.max("timing/generate_s", spent["generate"])
+            metrics.max("timing/reward_s", spent["reward"])
         take = min(fewest, wanted)
         metrics.max("dynamic_sampling/rounds", rounds)
         metrics.sum("dynamic_sampling/kept_groups", take)
@@ -542,12 +561,14 @@ class GRPOTrainer:
         # its log-probs come for free from the update's own forward (ratio exactly 1).
         # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
         on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
+        t_log_probs = time.perf_counter()
         if not on_policy or kl_in_reward or self.correct_rollout:
             batch.old_log_probs = self._log_probs(self.model, batch)
         if self.correct_rollout:
             self._correct_rollout(batch, metrics)
         if kl_on:
             batch.ref_log_probs = self._reference_log_probs(batch)
+        metrics.max("timing/log_probs_s", time.perf_counter() - t_log_probs)
 
         token_rewards = None
         if kl_in_reward:
@@ -558,11 +579,22 @@ class GRPOTrainer:
         batch.advantages = self._advantages(batch.scores, batch, token_rewards)
 
         loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
+        # an engine with accelerator memory of its own (vLLM) gives it up while the update runs,
+        # unless it is generating the next batch meanwhile (one_step_off)
+        sleeping = self.engine.supports_sleep and self._pending is None
+        if sleeping:
+            self.engine.sleep()
+        t_update = time.perf_counter()
         run_update(self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
                    accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
         self.scheduler.step()
+        metrics.max("timing/update_s", time.perf_counter() - t_update)
         self._finish_pending(metrics)  # the engine must be idle before its weights change
+        t_sync = time.perf_counter()
         self._sync_rollout_weights()
+        if sleeping:
+            self.engine.wake_up()
+        metrics.max("timing/weight_sync_s", time.perf_counter() - t_sync)
         self._batch_metrics(batch, metrics)
         elapsed = time.perf_counter() - t0
         metrics.max("timing/step_s", elapsed)
