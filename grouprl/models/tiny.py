@@ -121,6 +121,26 @@ def _vocab_for(tokenizer: PreTrainedTokenizerFast) -> int:
     return (len(tokenizer) + 63) // 64 * 64
 
 
+def _embedding_rows(tokenizer: PreTrainedTokenizerFast, model_vocab_size: int | None, builder: str) -> int:
+    """The model's vocabulary (embedding rows): ``model_vocab_size``, or the tokenizer's rounded up to 64."""
+    if model_vocab_size is None:
+        return _vocab_for(tokenizer)
+    if model_vocab_size < len(tokenizer):
+        raise ValueError(f"{builder}: model_vocab_size={model_vocab_size} is smaller than the tokenizer "
+                         f"({len(tokenizer)} tokens); every token id needs an embedding row")
+    return int(model_vocab_size)
+
+
+def _save_model(model, out_dir: Path, save_dtype) -> None:
+    """Save ``model`` (cast to ``save_dtype`` first when given: "bfloat16", torch.bfloat16, ...)."""
+    if save_dtype is not None:
+        dtype = getattr(torch, save_dtype) if isinstance(save_dtype, str) else save_dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"save_dtype must name a floating-point torch dtype, got {save_dtype!r}")
+        model = model.to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
 def _generation_config(ids: dict[str, int]) -> GenerationConfig:
     return GenerationConfig(
         bos_token_id=ids[PAD_TOKEN],
@@ -152,6 +172,14 @@ def build_tiny_vlm(
     patch_size: int = 14,
     image_size: int = 112,
     vocab_size: int | None = None,
+    model_vocab_size: int | None = None,
+    vision_intermediate_size: int | None = None,
+    window_size: int | None = None,
+    fullatt_block_indexes: list[int] | None = None,
+    mrope_section: list[int] | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 4096,
+    save_dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Build a randomly initialised Qwen2.5-VL with its processor and save both to ``out_dir``.
 
@@ -160,6 +188,17 @@ def build_tiny_vlm(
     to about ``image_size`` x ``image_size`` pixels, which gives
     ``(image_size / patch_size / 2) ** 2`` image tokens per image (16 for the
     defaults). Token ids in the config are the tokenizer's.
+
+    The other options reach a real checkpoint's shape with this tokenizer (see
+    ``benchmarks/bench_gpu.py``, which builds Qwen2.5-VL-3B's): ``model_vocab_size``
+    embedding rows (default: the tokenizer's size rounded up to 64; real checkpoints
+    pad further, 151,936 rows), the vision MLP width ``vision_intermediate_size``
+    (default ``2 * vision_hidden_size``), the vision attention ``window_size`` in
+    pixels (default ``patch_size * 4``) and the blocks that attend over the whole
+    image, ``fullatt_block_indexes`` (default the last), M-RoPE's
+    ``mrope_section`` (temporal, height, width parts of half a head; default split
+    evenly), ``rope_theta``, ``max_position_embeddings``, and ``save_dtype``, the
+    dtype of the saved weights (default float32; the hub ships bfloat16).
     """
     out_dir = Path(out_dir)
     head_dim = hidden_size // heads
@@ -174,24 +213,30 @@ def build_tiny_vlm(
         raise ValueError(
             f"build_tiny_vlm: image_size={image_size} must be a multiple of patch_size*2={patch_size * merge}"
         )
-    tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
-    ids = _special_ids(tokenizer)
-
+    if fullatt_block_indexes is not None and not all(0 <= i < vision_depth for i in fullatt_block_indexes):
+        raise ValueError(f"build_tiny_vlm: fullatt_block_indexes={fullatt_block_indexes} must index the "
+                         f"{vision_depth} vision blocks")
     # M-RoPE splits the rotary half-dimension into temporal/height/width sections.
     half = head_dim // 2
-    mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    if mrope_section is None:
+        mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    elif len(mrope_section) != 3 or sum(mrope_section) != half:
+        raise ValueError(f"build_tiny_vlm: mrope_section={mrope_section} must be 3 parts summing to half the "
+                         f"head size ({half})")
+    tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
+    ids = _special_ids(tokenizer)
     text_config = dict(
-        vocab_size=_vocab_for(tokenizer),
+        vocab_size=_embedding_rows(tokenizer, model_vocab_size, "build_tiny_vlm"),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         max_window_layers=layers,
         # The hub checkpoints' spelling, which every transformers version since 4.49 reads.
-        rope_scaling={"type": "mrope", "mrope_section": mrope_section},
-        rope_theta=10000.0,
+        rope_scaling={"type": "mrope", "mrope_section": list(mrope_section)},
+        rope_theta=rope_theta,
         bos_token_id=ids[PAD_TOKEN],
         eos_token_id=ids[IM_END],
         pad_token_id=ids[PAD_TOKEN],
@@ -199,7 +244,7 @@ def build_tiny_vlm(
     vision_config = dict(
         depth=vision_depth,
         hidden_size=vision_hidden_size,
-        intermediate_size=2 * vision_hidden_size,
+        intermediate_size=vision_intermediate_size or 2 * vision_hidden_size,
         num_heads=vision_heads,
         patch_size=patch_size,
         spatial_merge_size=merge,
@@ -207,8 +252,8 @@ def build_tiny_vlm(
         out_hidden_size=hidden_size,
         # Windows of 2x2 merged patches in every block but the last, which
         # attends over the whole image, as the real model alternates them.
-        window_size=patch_size * merge * 2,
-        fullatt_block_indexes=[vision_depth - 1],
+        window_size=window_size or patch_size * merge * 2,
+        fullatt_block_indexes=list(fullatt_block_indexes) if fullatt_block_indexes is not None else [vision_depth - 1],
     )
     config = Qwen2_5_VLConfig(
         text_config=text_config,
@@ -237,7 +282,7 @@ def build_tiny_vlm(
         chat_template=CHAT_TEMPLATE,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_model(model, out_dir, save_dtype)
     processor.save_pretrained(out_dir)
     return out_dir
 
@@ -254,11 +299,17 @@ def build_tiny_text_lm(
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
     attention_dropout: float = 0.0,
+    model_vocab_size: int | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 4096,
+    save_dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Build a randomly initialised Qwen2 causal LM with the tokenizer and save both to ``out_dir``.
 
     ``attention_dropout`` > 0 makes every training forward draw from torch's RNG (tests of
-    exact resume need a run that does).
+    exact resume need a run that does). ``model_vocab_size`` (embedding rows, default the
+    tokenizer's size rounded up to 64), ``rope_theta``, ``max_position_embeddings`` and
+    ``save_dtype`` (default float32) are as in ``build_tiny_vlm``.
     """
     out_dir = Path(out_dir)
     if hidden_size % heads:
@@ -266,15 +317,15 @@ def build_tiny_text_lm(
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
     ids = _special_ids(tokenizer)
     config = Qwen2Config(
-        vocab_size=_vocab_for(tokenizer),
+        vocab_size=_embedding_rows(tokenizer, model_vocab_size, "build_tiny_text_lm"),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         max_window_layers=layers,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
         attention_dropout=attention_dropout,
         tie_word_embeddings=True,
         bos_token_id=ids[PAD_TOKEN],
@@ -284,6 +335,6 @@ def build_tiny_text_lm(
     model = _seeded_init(seed, lambda: Qwen2ForCausalLM(config))
     model.generation_config = _generation_config(ids)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_model(model, out_dir, save_dtype)
     tokenizer.save_pretrained(out_dir)
     return out_dir
