@@ -1,13 +1,14 @@
 """The asynchronous loop modes against the synchronous one, in one run.
 
 Trains the same tiny model on the same task with ``trainer.async_mode`` sync,
-async_reward and one_step_off, each in its own subprocess, with a reward that takes
-a fixed time per call on top of its (cheap) work, as a reward server or an LLM
-judge does. Reports the median seconds per step (leaving out the first step, which starts up,
-and the last) and each mode's speed-up over sync.
+async_reward and one_step_off, each in its own subprocess, with a reward that waits
+(like a reward server or an LLM judge) a fixed time per call plus a time per
+completion, on top of its (cheap) work. Reports the median seconds per step over ``--repeats`` runs of each mode (in
+alternating order; leaving out each run's first step, which starts up, and its last)
+and each mode's speed-up over sync.
 
-    python benchmarks/bench_async.py                      # CPU, about 2 minutes
-    python benchmarks/bench_async.py --reward-latency 0   # no slow reward: what overlap costs
+    python benchmarks/bench_async.py                                             # CPU, about a minute
+    python benchmarks/bench_async.py --reward-call-latency 0 --reward-row-latency 0   # what overlap costs
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import os
 import time
 import zlib
 
-LATENCY = float(os.environ["BENCH_REWARD_LATENCY"])
+PER_CALL = float(os.environ["BENCH_REWARD_CALL_LATENCY"])
+PER_ROW = float(os.environ["BENCH_REWARD_ROW_LATENCY"])
 
 
 def slow_varied(prompts, completions, **kwargs):
-    time.sleep(LATENCY)  # a round trip to a reward server, say
+    time.sleep(PER_CALL + PER_ROW * len(completions))  # a round trip to a reward server, say
     return [(zlib.crc32(c.encode()) % 7) / 6 for c in completions]
 '''
 
@@ -74,7 +76,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per generation micro-batch")
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--reward-latency", type=float, default=0.3, help="seconds each reward call waits")
+    parser.add_argument("--reward-call-latency", type=float, default=0.02, help="seconds each reward call waits")
+    parser.add_argument("--reward-row-latency", type=float, default=0.01,
+                        help="seconds each reward call waits per completion it scores")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -93,26 +98,33 @@ def main() -> None:
         (root / "reward.py").write_text(REWARD)
         build_tiny_text_lm(root / "model", [r["problem"] for r in records] + words, seed=0, hidden_size=128,
                            layers=4)
-        env = {**os.environ, "BENCH_REWARD_LATENCY": str(args.reward_latency)}
-        for mode in MODES:
-            cmd = [sys.executable, __file__, "--_child", str(root), mode, "--steps", str(args.steps),
-                   "--prompts", str(args.prompts), "--n", str(args.n), "--micro-batch", str(args.micro_batch),
-                   "--tokens", str(args.tokens), "--reward-latency", str(args.reward_latency)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode or line is None:
-                sys.exit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
-            results[mode] = json.loads(line[len("RESULT "):])
+        env = {**os.environ, "BENCH_REWARD_CALL_LATENCY": str(args.reward_call_latency),
+               "BENCH_REWARD_ROW_LATENCY": str(args.reward_row_latency)}
+        for repeat in range(args.repeats):
+            # the order alternates, so that no mode always runs on a warmer (or busier) machine
+            for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
+                cmd = [sys.executable, __file__, "--_child", str(root), mode, "--steps", str(args.steps),
+                       "--prompts", str(args.prompts), "--n", str(args.n), "--micro-batch", str(args.micro_batch),
+                       "--tokens", str(args.tokens)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if proc.returncode or line is None:
+                    sys.exit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
+                run = json.loads(line[len("RESULT "):])
+                results.setdefault(mode, {"runs": []})["runs"].append(run["step_seconds"])
 
     chunks = max(1, args.prompts * args.n // args.micro_batch)
     print(f"\n{args.steps} steps, {args.prompts} prompts x {args.n} samples x up to {args.tokens} tokens, "
-          f"{chunks} generation micro-batches per step, reward latency {args.reward_latency} s per call\n")
+          f"{chunks} generation micro-batches per step, reward latency {args.reward_call_latency} s per call "
+          f"+ {args.reward_row_latency} s per completion\n")
     base = None
     print(f"{'mode':<14} {'median s/step':>14} {'vs sync':>8}")
-    for mode, r in results.items():
+    for mode in MODES:
+        r = results[mode]
         # the first step starts everything up; one_step_off's last step has its batch ready and
         # nothing left to generate: the steps between are the steady state
-        steady = sorted(r["step_seconds"][1:-1] or r["step_seconds"])
+        steady = sorted(t for run in r["runs"] for t in (run[1:-1] or run))
+        r["step_seconds"] = r["runs"][0]
         median = steady[len(steady) // 2]
         base = base or median
         r["median_step_seconds"] = median

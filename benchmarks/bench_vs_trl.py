@@ -138,7 +138,7 @@ def run_grouprl(spec: dict) -> dict:
             "rollout": {"n": n, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "engine": spec["engine"]},
         },
         "trainer": {"output_dir": spec["run_dir"], "max_steps": spec["steps"], "logger": ["jsonl"],
-                    "device": "cpu", "seed": spec["seed"], "save_freq": -1},
+                    "device": "cpu", "seed": spec["seed"], "save_freq": -1, "async_mode": spec["async_mode"]},
     }
     trainer = GRPOTrainer(config_from_dict(cfg), reward_set=RewardSet.from_specs([say_word_reward]))
     ends, rewards, lengths = [], [], []
@@ -266,6 +266,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="tiny model depth")
     p.add_argument("--frameworks", default="grouprl,trl", help="comma-separated subset of grouprl,trl")
     p.add_argument("--engine", default="hf", help="grouprl's rollout engine (worker.rollout.engine): hf or hf_static")
+    p.add_argument("--async-mode", default="sync", choices=["sync", "async_reward", "one_step_off"],
+                   help="grouprl's trainer.async_mode (one_step_off generates the next batch during the update)")
     p.add_argument("--out", default="bench_vs_trl.json", help="where to write the JSON result")
     p.add_argument("--keep", default=None, help="keep the model, data, logs and run directories under this path")
     p.add_argument("--_worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
@@ -385,7 +387,7 @@ def main(argv=None) -> int:
         spec = {"data": str(data), "model": str(model), "steps": args.steps, "n": args.n,
                 "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
                 "micro_batch": args.micro_batch, "lr": args.lr, "seed": args.seed, "threads": args.threads,
-                "last_k": args.last_k, "engine": args.engine}
+                "last_k": args.last_k, "engine": args.engine, "async_mode": args.async_mode}
         runs: dict[str, list[dict]] = {name: [] for name in frameworks}
         for repeat in range(args.repeats):
             # alternate the order so that neither framework always runs on a warmer (or busier) machine

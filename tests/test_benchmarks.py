@@ -107,11 +107,11 @@ def test_bench_gpu_trl_and_vlm_cpu_smoke(tmp_path):
 
 def test_bench_async_smoke(tmp_path):
     out = tmp_path / "async.json"
-    proc = run("bench_async.py", "--steps", "3", "--prompts", "2", "--n", "2", "--micro-batch", "2", "--tokens", "4",
-               "--reward-latency", "0", "--out", str(out), cwd=tmp_path)
+    proc = run("bench_async.py", "--steps", "3", "--prompts", "2", "--n", "2", "--micro-batch", "2", "--tokens", "4", "--repeats", "1",
+               "--reward-call-latency", "0", "--reward-row-latency", "0", "--out", str(out), cwd=tmp_path)
     assert "vs sync" in proc.stdout
     report = json.loads(out.read_text())
-    assert report["settings"]["reward_latency"] == 0
+    assert report["settings"]["reward_call_latency"] == report["settings"]["reward_row_latency"] == 0
     assert set(report["results"]) == {"sync", "async_reward", "one_step_off"}
     for result in report["results"].values():
         assert len(result["step_seconds"]) == 3 and all(positive(s) for s in result["step_seconds"])

@@ -217,3 +217,14 @@ def test_vlm_family_loads_generates_and_scores(tmp_path, build, model_cls, proce
     mask = batch.response_mask.bool()
     diff = (log_probs - batch.rollout_log_probs).abs()[mask]
     assert diff.max().item() < 1e-4, f"max |recomputed - sampler| log-prob = {diff.max().item():.3g}"
+
+    # the static-cache engine (hf_static): images at prefill, a static cache and a traced decoder
+    # (torch.compile's eager backend, no code generation) give what plain generate gives
+    from grouprl.rollout.static_engine import StaticCacheEngine
+
+    greedy = SamplingParams(n=2, temperature=0, max_new_tokens=6, return_log_probs=True)
+    want = engine.generate([sample, sample], greedy)
+    static = StaticCacheEngine(model, processor, micro_batch_size=8, compile_backend="eager", prompt_bucket=16)
+    got = static.generate([sample, sample], greedy)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+    torch.testing.assert_close(got.rollout_log_probs, want.rollout_log_probs, atol=1e-4, rtol=0)
