@@ -193,6 +193,141 @@ class StaticCacheConfig:
     prompt_bucket: int = 64  # prompt widths are padded up to a multiple of this many tokens
 
 
+# The verifier's default system prompt (Guided-GRPO's teacher, in grouprl's words). It names
+# the default stop token; VerifierConfig.check refuses a template that does not name the
+# configured one, since the verifier could then never end a dialogue on purpose.
+DEFAULT_VERIFIER_TEMPLATE = """\
+You are a patient tutor reviewing a student's step-by-step solution. You are given the problem \
+(images are shown as [IMAGE]; you cannot see them), the reference answer (N/A when there is none) \
+and everything the student has written so far. Write your next message to the student.
+
+1. Errors first. If the student's latest message contains a mistake, point to it, explain why it \
+is wrong and how to repair it.
+2. Guide as little as possible. If the student is stuck, give one small hint. If the work is \
+right, write "Correct." and name the next small goal.
+3. Never solve the problem for the student: do not write out several steps of derivation and \
+never state the final result.
+4. The final answer must be written as <answer>\\boxed{...}</answer>. If it is missing or \
+malformed, ask the student to fix the format.
+5. As soon as the student has given a correct final answer in that format, reply with ###STOP### \
+and nothing else.
+6. Be brief: one piece of guidance per message, ending with a short checkpoint question for \
+the student.
+7. Judge the student's latest message for hallucination: values, facts or steps that the \
+problem and the student's earlier work do not support. Unless you are sending ###STOP###, end \
+with a line "[SCORE] hallucination_detect=0" if you found hallucination, or \
+"[SCORE] hallucination_detect=1" if you found none.
+"""
+
+
+@dataclass
+class VerifierConfig:
+    """Guided-GRPO's verifier: a teacher model that answers each policy turn of a dialogue.
+
+    After every policy turn (at most ``max_turns``) the verifier sees the problem
+    text (images as ``[IMAGE]``), the reference answer and the policy's turns, and
+    either guides the next turn or ends the dialogue with ``stop_token``. Backends
+    (``backend``; ``auto`` = ``http`` when ``use_http`` else ``local``): ``http``, an
+    OpenAI-compatible ``/chat/completions`` server; ``local``, a transformers model
+    loaded from ``model_path``; ``rule``, a deterministic stand-in for demos and tests.
+    See ``grouprl.rollout.verifier``.
+    """
+
+    enable: bool = False
+    max_turns: int = 10  # policy turns per dialogue, the first included
+    stop_token: str = "###STOP###"
+    prompt_template: str = DEFAULT_VERIFIER_TEMPLATE  # the verifier's system message
+    enable_hallucination_score: bool = True  # parse "[SCORE] hallucination_detect=0|1" from replies
+    # final_turn: train on the last policy turn only (the seed's original); full_turn: on every policy turn
+    train_scope: str = field(default="full_turn", metadata=_choices("final_turn", "full_turn"))
+    temperature: float = 0.2
+    top_p: float = 0.95
+    top_k: int = -1  # -1 = off
+    max_tokens: int = 256  # most tokens per verifier reply
+    backend: str = field(default="auto", metadata=_choices("auto", "http", "local", "rule"))
+    use_http: bool = False  # the seed's switch; picks http over local when backend is auto
+    base_url: str | None = None  # http: e.g. http://host:8000/v1 (requests go to {base_url}/chat/completions)
+    model: str | None = None  # http: the served model's name
+    # http: the bearer key. None: $GROUPRL_VERIFIER_API_KEY, read when the verifier is built, so the
+    # key stays out of the saved config; one written here is saved with it, prefer the variable.
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    timeout: float = 300.0  # http: seconds per request
+    max_retries: int = 3  # http: repeats of a failed request (so max_retries + 1 attempts)
+    retry_backoff: float = 1.0  # http: seconds before the first repeat, doubling after each
+    http_concurrency: int = 4  # http: most requests in flight
+    model_path: str | None = None  # local: the verifier checkpoint (a directory or hub id)
+    tokenizer_path: str | None = None  # local: None = model_path
+    trust_remote_code: bool = False
+    # What a verifier call that failed after its retries does. stop: the dialogue ends there as if
+    # the verifier had sent the stop token (the seed's behaviour), counted and logged; fail: the
+    # step fails with the error.
+    on_failure: str = field(default="stop", metadata=_choices("stop", "fail"))
+    # Sent to the policy instead of ending the dialogue when the verifier stops it before a final answer.
+    continue_message: str = "Please continue and provide the final answer in the required format."
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend that runs: ``backend``, with ``auto`` read through ``use_http``."""
+        if self.backend == "auto":
+            return "http" if self.use_http else "local"
+        return self.backend
+
+    def check(self, key: str = "worker.rollout.verifier", *, building: bool = False) -> None:
+        """Raise ConfigError naming the offending key under ``key``.
+
+        Ranges are checked always; what the chosen backend needs (a URL, a model path)
+        only when the verifier is enabled or being built (``building``), so a disabled
+        section with half-filled settings does not stop a run that never uses it.
+        """
+        if self.max_turns < 1:
+            raise ConfigError(f"config key '{key}.max_turns' must be >= 1; got {self.max_turns}")
+        if not self.stop_token.strip():
+            # every reply starts with the empty string: each one would end the dialogue
+            raise ConfigError(f"config key '{key}.stop_token' must not be empty or blank")
+        if not self.prompt_template.strip():
+            raise ConfigError(f"config key '{key}.prompt_template' is empty")
+        if not self.continue_message.strip():
+            raise ConfigError(f"config key '{key}.continue_message' is empty")
+        if self.temperature < 0:
+            raise ConfigError(f"config key '{key}.temperature' must be >= 0; got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"config key '{key}.top_p' must be in (0, 1]; got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"config key '{key}.top_k' must be -1 (off) or >= 0; got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"config key '{key}.max_tokens' must be >= 1; got {self.max_tokens}")
+        if not self.timeout > 0:
+            raise ConfigError(f"config key '{key}.timeout' must be > 0 seconds; got {self.timeout}")
+        if self.max_retries < 0:
+            raise ConfigError(f"config key '{key}.max_retries' must be >= 0; got {self.max_retries}")
+        if self.retry_backoff < 0:
+            raise ConfigError(f"config key '{key}.retry_backoff' must be >= 0 seconds; got {self.retry_backoff}")
+        if self.http_concurrency < 1:
+            raise ConfigError(f"config key '{key}.http_concurrency' must be >= 1; got {self.http_concurrency}")
+        if self.use_http and self.backend not in ("auto", "http"):
+            raise ConfigError(f"config key '{key}.use_http' is true but '{key}.backend' is {self.backend!r}; "
+                              "set one of them")
+        if not (self.enable or building):
+            return
+        if self.stop_token not in self.prompt_template:
+            raise ConfigError(f"config key '{key}.prompt_template' never mentions the stop token "
+                              f"{self.stop_token!r} ('{key}.stop_token'): the verifier could not end a dialogue")
+        backend = self.resolved_backend
+        if backend == "http":
+            if not self.base_url:
+                raise ConfigError(f"config key '{key}.base_url' is required by the http verifier "
+                                  "(e.g. http://host:8000/v1)")
+            if not self.base_url.startswith(("http://", "https://")):
+                raise ConfigError(f"config key '{key}.base_url' must start with http:// or https://; "
+                                  f"got {self.base_url!r}")
+            if not self.model:
+                raise ConfigError(f"config key '{key}.model' is required by the http verifier "
+                                  "(the served model's name)")
+        elif backend == "local" and not self.model_path:
+            raise ConfigError(f"config key '{key}.model_path' is required by the local verifier "
+                              f"(or set '{key}.backend: http' with a base_url)")
+
+
 @dataclass
 class RolloutConfig:
     engine: str = "hf"  # a registered rollout engine: hf | hf_static | vllm (grouprl.rollout.engine)
@@ -220,6 +355,8 @@ class RolloutConfig:
     extractor_type: str = "rules"  # rules | ratescore (RaTE-NER) | radgraph (RadGraph model) | a registered name
     extractor_model_path: str | None = None  # local model directory of the ratescore / radgraph extractors
     extractor_edited_tokens: str = field(default="train", metadata=_choices("train", "mask"))
+    # Guided-GRPO: a verifier answers each policy turn (multi-turn rollouts)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
 
 
 @dataclass
@@ -479,9 +616,26 @@ def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
 
+def redacted(config: Config) -> dict:
+    """The config as a dict for files and loggers: every field marked secret (API keys) is None."""
+    return _without_secrets(to_dict(config))
+
+
+def _without_secrets(values: dict, cls: type = Config) -> dict:
+    """``values`` (``to_dict`` of a ``cls``) with every field marked secret set to None."""
+    hints = get_type_hints(cls)
+    out = dict(values)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("secret"):
+            out[f.name] = None
+        elif dataclasses.is_dataclass(hints[f.name]) and isinstance(out.get(f.name), dict):
+            out[f.name] = _without_secrets(out[f.name], hints[f.name])
+    return out
+
+
 def save_config(config: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically."""
-    write_text_atomic(Path(path), yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write the resolved config as YAML, atomically, with secrets (API keys) left out."""
+    write_text_atomic(Path(path), yaml.safe_dump(redacted(config), sort_keys=False))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -530,6 +684,7 @@ def validate(config: Config) -> None:
     _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
+    rollout.verifier.check("worker.rollout.verifier")
     _positive("data.rollout_batch_size", config.data.rollout_batch_size)
     _positive("data.max_response_length", config.data.max_response_length)
     _positive("worker.actor.global_batch_size", actor.global_batch_size)

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from grouprl.config import ConfigError, load_config, parse_overrides, save_config
+from grouprl.config import ConfigError, config_from_dict, load_config, parse_overrides, save_config
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -76,3 +76,13 @@ def test_saved_config_round_trips(tmp_path):
     save_config(cfg, tmp_path / "out" / "config.yaml")
     again = load_config(tmp_path / "out" / "config.yaml")
     assert again == cfg
+
+
+def test_secrets_never_reach_the_saved_config(tmp_path):
+    from grouprl.config import redacted
+
+    config = config_from_dict({"worker": {"rollout": {"verifier": {"api_key": "sk-very-secret"}}}})
+    save_config(config, tmp_path / "config.yaml")
+    assert "sk-very-secret" not in (tmp_path / "config.yaml").read_text()
+    assert redacted(config)["worker"]["rollout"]["verifier"]["api_key"] is None
+    assert config.worker.rollout.verifier.api_key == "sk-very-secret"  # the run itself still has it

@@ -93,9 +93,11 @@ def test_generation_continues_from_token_ids(request, model_name):
         log_probs, _ = compute_log_probs(model, second, micro_batch_size=4)
     assert torch.isfinite(log_probs).all()
 
-    short = HFGenerationEngine(model, processor, max_prompt_length=int(turns[0].ids.numel()) - 1)
-    with pytest.raises(ValueError, match="prompt to continue has"):
-        short.generate(first.samples, SamplingParams(n=1, max_new_tokens=2), prompts=turns)
+    # max_prompt_length limits first prompts; a dialogue's context grows past it by design
+    short = HFGenerationEngine(model, processor, max_prompt_length=int(first.prompt_mask.sum(-1).min()) - 1)
+    assert len(short.generate(first.samples, SamplingParams(n=1, max_new_tokens=2), prompts=turns)) == len(turns)
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        short.generate(first.samples, SamplingParams(n=1, max_new_tokens=2))
     with pytest.raises(ValueError, match="encoded prompts for"):
         engine.generate(first.samples, SamplingParams(n=1, max_new_tokens=2), prompts=turns[:1])
 

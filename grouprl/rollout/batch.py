@@ -17,9 +17,17 @@ class RolloutBatch:
     Rows of the same prompt share ``group_index``. Prompts are left-padded and
     responses right-padded, so ``torch.cat([prompt_ids, response_ids], 1)`` is a
     valid model input with ``attention_mask = cat([prompt_mask, response_mask])``.
-    ``response_mask`` is 1 on the tokens the policy produced (EOS included) and
-    0 on padding; stages that drop tokens from the loss (truncation masking, edit
-    masking) do it on ``loss_mask``, which starts as a copy of ``response_mask``.
+
+    Three masks over the response, kept apart:
+    - ``response_mask``, the attention mask: 1 on every real token of the response
+      (what the model sees), 0 on padding;
+    - ``policy_mask``: 1 on the tokens the policy sampled (EOS included). In a
+      single-turn response it equals ``response_mask``; a multi-turn response also
+      holds template and verifier tokens between the policy's turns, seen but not
+      sampled;
+    - ``loss_mask``: the tokens trained on. It starts as ``policy_mask``; stages that
+      drop tokens from the loss (truncation masking, edit masking, unscored rows)
+      change it alone.
 
     ``model_inputs`` holds one dict per row of extra model inputs for that row's
     prompt (``pixel_values``, ``image_grid_thw`` for Qwen-VL models), so that any
@@ -38,7 +46,8 @@ class RolloutBatch:
     responses: list[str]
     truncated: torch.Tensor  # [B] bool, no EOS within max_new_tokens
     model_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    loss_mask: torch.Tensor | None = None
+    policy_mask: torch.Tensor | None = None  # [B, R], default: response_mask
+    loss_mask: torch.Tensor | None = None  # [B, R], default: policy_mask
     old_log_probs: torch.Tensor | None = None  # [B, R]
     ref_log_probs: torch.Tensor | None = None  # [B, R]
     rollout_log_probs: torch.Tensor | None = None  # [B, R], the sampler's own, when the engine was asked for them
@@ -52,8 +61,10 @@ class RolloutBatch:
     extras: dict[str, list[Any]] = field(default_factory=dict)  # per-row values passed to rewards as columns
 
     def __post_init__(self) -> None:
+        if self.policy_mask is None:
+            self.policy_mask = self.response_mask.clone()
         if self.loss_mask is None:
-            self.loss_mask = self.response_mask.clone()
+            self.loss_mask = self.policy_mask.clone()
         if self.edited is None:
             self.edited = torch.zeros(len(self.samples), dtype=torch.bool)
 
@@ -78,6 +89,7 @@ class RolloutBatch:
             responses=[self.responses[i] for i in keep],
             truncated=self.truncated[idx],
             model_inputs=[self.model_inputs[i] for i in keep] if self.model_inputs else [],
+            policy_mask=take(self.policy_mask),
             loss_mask=take(self.loss_mask),
             old_log_probs=take(self.old_log_probs),
             ref_log_probs=take(self.ref_log_probs),
@@ -147,6 +159,7 @@ class RolloutBatch:
             responses=[r for b in batches for r in b.responses],
             truncated=torch.cat([b.truncated for b in batches]),
             model_inputs=[m for b in batches for m in b.model_inputs],
+            policy_mask=optional("policy_mask", lambda t: right(t, r_width, 0)),
             loss_mask=optional("loss_mask", lambda t: right(t, r_width, 0)),
             old_log_probs=optional("old_log_probs", lambda t: right(t, r_width, 0)),
             ref_log_probs=optional("ref_log_probs", lambda t: right(t, r_width, 0)),

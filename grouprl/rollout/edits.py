@@ -504,6 +504,7 @@ class EditTransform:
 
         response_ids = widen(batch.response_ids, self.pad_token_id)
         response_mask = widen(batch.response_mask, 0)
+        policy_mask = widen(batch.policy_mask, 0)
         loss_mask = widen(batch.loss_mask, 0)
         rollout_log_probs = None if batch.rollout_log_probs is None else widen(batch.rollout_log_probs, 0.0)
         truncated = batch.truncated.clone()
@@ -515,6 +516,7 @@ class EditTransform:
             response_ids[row, :length] = torch.tensor(ids, dtype=response_ids.dtype)
             response_mask[row] = 0
             response_mask[row, :length] = 1
+            policy_mask[row] = response_mask[row]  # stands where the policy's response stood
             loss_mask[row] = response_mask[row] if self.edited_tokens == "train" else 0
             if rollout_log_probs is not None:
                 rollout_log_probs[row] = math.nan  # not the sampler's tokens any more
@@ -527,6 +529,7 @@ class EditTransform:
             batch,
             response_ids=response_ids[:, :keep],
             response_mask=response_mask[:, :keep],
+            policy_mask=policy_mask[:, :keep],
             loss_mask=loss_mask[:, :keep],
             rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[:, :keep],
             responses=responses,

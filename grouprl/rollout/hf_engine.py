@@ -135,10 +135,8 @@ class HFGenerationEngine(RolloutEngine):
                                   truncation=self.truncation)
         if len(prompts) != len(samples):
             raise ValueError(f"got {len(prompts)} encoded prompts for {len(samples)} samples")
-        for sample, prompt in zip(samples, prompts):
-            if self.max_prompt_length is not None and len(prompt.ids) > self.max_prompt_length:
-                raise ValueError(f"sample {sample.id}: the prompt to continue has {len(prompt.ids)} tokens, more "
-                                 f"than max_prompt_length={self.max_prompt_length}")
+        # A continuation is not held to max_prompt_length (that is the first prompt's limit): a
+        # dialogue's context grows by design, and whoever continues it owns its length budget.
         ids, mask = left_pad([p.ids for p in prompts], self.pad_token_id)
         return ids, mask, [dict(p.model_inputs) for p in prompts]
 

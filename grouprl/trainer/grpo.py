@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from grouprl import algorithms
-from grouprl.config import ActorConfig, Config, ConfigError, save_config, to_dict, write_text_atomic
+from grouprl.config import ActorConfig, Config, ConfigError, redacted, save_config, write_text_atomic
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
@@ -130,6 +130,15 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     return loss, reported
 
 
+def _turn_lengths(batch: RolloutBatch) -> torch.Tensor:
+    """[B] the length that ``data.max_response_length`` limits: the response's, or in a multi-turn
+    response the longest policy turn's (each turn gets that many tokens)."""
+    spans = batch.extras.get("spans")
+    if spans is None:
+        return batch.response_mask.sum(-1)
+    return torch.tensor([max(end - start for start, end, kind in row if kind == "policy") for row in spans])
+
+
 def _fill_unscored(totals: list[float | None], group_index: torch.Tensor) -> torch.Tensor:
     """Scores [B] where a row no reward applied to takes its group's mean of scored rows (0 if none).
 
@@ -229,6 +238,7 @@ class GRPOTrainer:
                 force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
                 extractor_model_path=roll.extractor_model_path,
                 edited_tokens=roll.extractor_edited_tokens))
+        self.multiturn = self._multiturn()
         self._check_async_mode()
         correction = config.algorithm.rollout_correction
         # the sampler's log-probs differ from the trainer's when another engine or stale weights sampled
@@ -241,6 +251,21 @@ class GRPOTrainer:
         self._pending = None  # one_step_off: (step, future of that step's rollout)
         self._consumed_stream = self.stream.state()  # the data position of the last batch trained on
         self._background = None
+
+    def _multiturn(self):
+        """Guided-GRPO's verifier-guided dialogues (``worker.rollout.verifier``), or None."""
+        cfg = self.config.worker.rollout.verifier
+        if not cfg.enable:
+            return None
+        if self.rollout_transforms:
+            names = ", ".join(type(t).__name__ for t in self.rollout_transforms)
+            raise ConfigError(f"config key 'worker.rollout.verifier.enable': verifier dialogues cannot be combined "
+                              f"with rollout transforms ({names}: EditGRPO's edits rewrite single responses)")
+        from grouprl.rollout.multiturn import MultiTurnRollout
+        from grouprl.rollout.verifier import build_verifier
+
+        verifier = build_verifier(cfg, tokenizer=self.processor)
+        return MultiTurnRollout(verifier, self.processor, cfg, end_of_turn_ids=list(self.engine.eos_token_ids))
 
     def _check_async_mode(self) -> None:
         mode, roll = self.config.trainer.async_mode, self.config.worker.rollout
@@ -298,7 +323,7 @@ class GRPOTrainer:
             # no reward applies (e.g. an empty reference sent to no server): the row is not trained
             batch.loss_mask = batch.loss_mask * (~unscored).unsqueeze(-1).to(batch.loss_mask.dtype)
         if algo.overlong_buffer.enable:
-            lengths = batch.response_mask.sum(-1)
+            lengths = _turn_lengths(batch)
             penalty = algorithms.overlong_penalty(
                 lengths, max_length=self.config.data.max_response_length,
                 buffer_length=algo.overlong_buffer.length, penalty_factor=algo.overlong_buffer.penalty_factor)
@@ -346,11 +371,12 @@ class GRPOTrainer:
         per_chunk = max(1, (self.config.worker.rollout.micro_batch_size or len(prompts) * n) // n)
         chunks = [prompts[i:i + per_chunk] for i in range(0, len(prompts), per_chunk)]
 
-        def generate(k: int) -> RolloutBatch:
+        def generate(k: int) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
+            """Micro-batch k, with the dialogue runner's metrics when a verifier is on."""
             t0 = time.perf_counter()
-            batch = self.engine.generate(chunks[k], replace(params, seed=params.seed + 104_729 * k))
+            batch = self._sample(chunks[k], replace(params, seed=params.seed + 104_729 * k))
             spent["generate"] += time.perf_counter() - t0
-            return batch
+            return batch, [(self.multiturn, dict(self.multiturn.last_metrics))] if self.multiturn else []
 
         def score(batch: RolloutBatch):
             t0 = time.perf_counter()
@@ -358,8 +384,7 @@ class GRPOTrainer:
             spent["reward"] += time.perf_counter() - t0
             return result
 
-        def transform(batch: RolloutBatch) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
-            transformed = []
+        def transform(batch: RolloutBatch, transformed: list) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
             for t in self.rollout_transforms:
                 batch = t(batch)
                 transformed.append((t, dict(getattr(t, "last_metrics", {}))))
@@ -367,8 +392,9 @@ class GRPOTrainer:
 
         pad = self.engine.pad_token_id
         if self.config.trainer.async_mode == "sync" or len(chunks) == 1:
-            batch, transformed = transform(RolloutBatch.concat([generate(k) for k in range(len(chunks))],
-                                                                pad_token_id=pad))
+            generated = [generate(k) for k in range(len(chunks))]
+            batch, transformed = transform(RolloutBatch.concat([b for b, _ in generated], pad_token_id=pad),
+                                           [pair for _, pairs in generated for pair in pairs])
             result = score(batch)
             if record:
                 self._record_rollout(batch, result, transformed, metrics)
@@ -376,7 +402,7 @@ class GRPOTrainer:
         parts, scoring = [], []
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rewards") as pool:
             for k in range(len(chunks)):
-                batch, transformed = transform(generate(k))
+                batch, transformed = transform(*generate(k))
                 parts.append((batch, transformed))
                 scoring.append(pool.submit(score, batch))  # scores while the next chunk generates
             results = [f.result() for f in scoring]
@@ -384,6 +410,12 @@ class GRPOTrainer:
             for (batch, transformed), result in zip(parts, results):
                 self._record_rollout(batch, result, transformed, metrics)
         return RolloutBatch.concat([batch for batch, _ in parts], pad_token_id=pad)
+
+    def _sample(self, samples: list, params, *, validation: bool = False) -> RolloutBatch:
+        """One engine call, or, with a verifier, the dialogues that start from it."""
+        if self.multiturn is not None:
+            return self.multiturn.generate(self.engine, samples, params, validation=validation)
+        return self.engine.generate(samples, params)
 
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
@@ -637,6 +669,8 @@ class GRPOTrainer:
         lengths = batch.response_mask.sum(-1).float()
         per_row_adv = (batch.advantages * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
         metrics.moments("response_length", lengths.tolist())
+        # the policy's own tokens (a multi-turn response also holds template and verifier text)
+        metrics.moments("response/policy_tokens", batch.policy_mask.sum(-1).float().tolist())
         metrics.max("response_length/max", float(lengths.max()))
         metrics.min("response_length/min", float(lengths.min()))
         metrics.mean("response/truncation_rate", float(batch.truncated.float().mean()), len(batch))
@@ -712,7 +746,7 @@ class GRPOTrainer:
         totals, components, records = [], {k: [] for k in self.rewards.keys}, []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
-            batch = self.engine.generate(samples, params)
+            batch = self._sample(samples, params, validation=True)  # no reference for a verifier
             result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses,
                                         reward_columns(batch), allow_unscored=True)
             totals.extend(result.total)
@@ -796,7 +830,7 @@ class GRPOTrainer:
         if self.is_main and resume_step is not None:
             # what a killed run wrote after its last checkpoint is written again below
             truncate_jsonl(self.run_dir / "val_generations.jsonl", resume_step)
-        self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=to_dict(self.config),
+        self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=redacted(self.config),
                                     project=t.project_name, experiment=t.experiment_name, enabled=self.is_main,
                                     initial_step=self.state.global_step, resume_step=resume_step)
         rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=self.is_main and t.log_rollouts,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from grouprl import algorithms
-from grouprl.config import Config, ConfigError, save_config, to_dict
+from grouprl.config import Config, ConfigError, redacted, save_config
 from grouprl.data.sample import Sample
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer.logging import MetricsLogger
@@ -97,7 +97,7 @@ def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None
         config.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, config.run_dir / "config.yaml")
     logger = MetricsLogger(config.run_dir / "sft", t.logger, total_steps=sft.epochs * steps_per_epoch,
-                           config=to_dict(config), project=t.project_name, experiment=f"{t.experiment_name}-sft",
+                           config=redacted(config), project=t.project_name, experiment=f"{t.experiment_name}-sft",
                            enabled=accelerator.is_main_process)
     step = 0
     try:

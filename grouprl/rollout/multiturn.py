@@ -1,0 +1,289 @@
+"""Verifier-guided multi-turn rollouts (Guided-GRPO), built in token space.
+
+Each sampled response becomes a dialogue: the policy answers, a verifier replies
+(a correction, a hint, or STOP), the policy answers again, ... for at most
+``max_turns`` policy turns. A dialogue ends when the verifier says STOP and the
+last policy turn holds a final answer (exactly one ``<answer>`` with exactly one
+``\\boxed{}``); a STOP without one asks the policy to continue and answer in that
+format. A verifier that fails is counted, and under ``on_failure: stop`` its
+silence is a STOP (the seed's behaviour, here never silent).
+
+The trajectory lives in token space. The policy's sampled ids are kept exactly as
+sampled; only the text between turns is tokenized (the end of the assistant's
+turn, the verifier's reply as a user message, the next assistant header, all
+rendered by the model's own chat template); and the next turn is generated from
+exactly the ids that will be trained on (``EncodedPrompt``). So what the policy was
+conditioned on is what it is trained on, earlier verifier messages included (the
+seed dropped them from the context but trained on them). Positions come from the
+model itself over the whole sequence: Qwen-VL's M-RoPE indices are computed from
+the full ids and their images on every forward, in generation and in training.
+
+Dialogues of a batch advance turn by turn together: each turn is one engine call
+for the dialogues still open, and finished ones drop out.
+
+``train_scope``: ``full_turn`` trains every policy turn (the response is the whole
+dialogue after the first prompt; template and verifier tokens have attention but
+no loss); ``final_turn`` trains the last policy turn alone, its prompt the whole
+dialogue before it (as the seed originally did).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from grouprl.data.sample import Sample
+from grouprl.models.prompts import left_pad, tokenizer_of
+from grouprl.rollout.batch import RolloutBatch
+from grouprl.rollout.engine import EncodedPrompt, SamplingParams
+
+STOP_REASONS = ("stop", "max_turns", "verifier_failure", "length")
+_MARK = "\u2063grouprl-turn-mark\u2063"  # stands for an assistant turn while the template renders around it
+
+
+@dataclass
+class Segment:
+    """A stretch of a dialogue's response: a policy turn (sampled) or the text between turns."""
+
+    ids: torch.Tensor  # [L] long
+    policy: bool
+    log_probs: torch.Tensor | None = None  # [L], the sampler's, for policy turns when asked for
+    text: str = ""
+
+
+@dataclass
+class Dialogue:
+    sample: Sample
+    group: int
+    prompt: EncodedPrompt
+    segments: list[Segment] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)  # the policy's turns, decoded
+    replies: list = field(default_factory=list)  # VerifierReply after each policy turn
+    stop_reason: str | None = None
+    truncated: bool = False  # the last policy turn ran out of tokens before its end-of-turn token
+
+    @property
+    def open(self) -> bool:
+        return self.stop_reason is None
+
+    def context(self) -> EncodedPrompt:
+        """What the next turn is generated from: the first prompt and everything since, in token space."""
+        ids = torch.cat([self.prompt.ids, *[s.ids for s in self.segments]])
+        return EncodedPrompt(ids, self.prompt.model_inputs)
+
+    def hallucination_score(self) -> float:
+        """Mean of the [SCORE] values the verifier gave (0.5 when it gave none), as the seed computes it."""
+        scores = [r.score for r in self.replies if r.score is not None and not r.stop]
+        return sum(scores) / len(scores) if scores else 0.5
+
+
+def problem_text(sample: Sample) -> str:
+    """The first user message's text, images shown as ``[IMAGE]``: all the verifier sees of the problem."""
+    for message in sample.messages:
+        if message["role"] != "user":
+            continue
+        content = message["content"]
+        if isinstance(content, str):
+            return content
+        return "".join("[IMAGE]" if item["type"] == "image" else item.get("text", "") for item in content)
+    return ""
+
+
+def turn_boundary_ids(processor, message: str, *, after_end_of_turn: bool) -> list[int]:
+    """Token ids between two policy turns: the end of the assistant turn, ``message`` as a user
+    turn, and the next assistant header, exactly as the model's chat template renders them.
+
+    The template is rendered around a stand-in assistant turn and only what follows it is
+    tokenized, so the policy's own sampled ids are never re-encoded. When the turn ended
+    with its end-of-turn token (sampled), that token is not repeated.
+    """
+    renderer = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
+    tokenizer = tokenizer_of(processor)
+    stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+    before = renderer.apply_chat_template(stub, tokenize=False, add_generation_prompt=False)
+    after = renderer.apply_chat_template(stub + [{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    cut = before.index(_MARK) + len(_MARK)
+    if after[:cut] != before[:cut]:
+        raise ValueError("the chat template renders earlier turns differently once a user turn follows; "
+                         "the dialogue cannot be continued in token space")
+    tail = after[cut:]
+    end_token = _end_of_turn_text(tokenizer)
+    if after_end_of_turn and end_token and tail.startswith(end_token):
+        tail = tail[len(end_token):]
+    return tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+
+def _end_of_turn_text(tokenizer) -> str | None:
+    from grouprl.models.prompts import end_of_turn_id
+
+    return tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
+
+
+class MultiTurnRollout:
+    """Runs verifier-guided dialogues on an engine; ``generate`` returns them as a RolloutBatch.
+
+    ``last_metrics`` (with ``metric_kinds``) describes the last call: turns per sample,
+    stop reasons, verifier failures, tokens and latency, hallucination scores.
+    """
+
+    metric_kinds = {"verifier/failures": "sum", "verifier/tokens": "sum"}
+
+    def __init__(self, verifier, processor, config, *, end_of_turn_ids: list[int]) -> None:
+        from grouprl.rollout.verifier import has_final_answer
+
+        self.verifier = verifier
+        self.processor = processor
+        self.config = config
+        self.end_of_turn_ids = set(end_of_turn_ids)
+        self._has_final_answer = has_final_answer
+        self.last_metrics: dict[str, float] = {}
+
+    def generate(self, engine, samples: list[Sample], params: SamplingParams, *,
+                 validation: bool = False) -> RolloutBatch:
+        """``params.n`` dialogues per sample; the verifier sees the reference in training only."""
+        first = engine.generate(samples, params)
+        dialogues = self._open(first)
+        tokenizer = tokenizer_of(self.processor)
+        for turn in range(1, self.config.max_turns + 1):
+            # the verifier answers every policy turn, the last included (its score counts)
+            self._ask_verifier(dialogues, validation)
+            for d in dialogues:
+                if d.open and turn == self.config.max_turns:
+                    d.stop_reason = "max_turns"
+            going = [d for d in dialogues if d.open]
+            if not going:
+                break
+            for d in going:
+                message = self._next_user_message(d)
+                ids = turn_boundary_ids(self.processor, message, after_end_of_turn=not d.truncated)
+                d.segments.append(Segment(torch.tensor(ids, dtype=torch.long), policy=False, text=message))
+            seed = None if params.seed is None else params.seed + 1_000_003 * turn
+            step = engine.generate([d.sample for d in going], replace(params, n=1, seed=seed),
+                                   prompts=[d.context() for d in going])
+            for row, d in enumerate(going):
+                self._append_turn(d, step, row, tokenizer)
+        return self._batch(first, dialogues)
+
+    # ------------------------------------------------------------------ the dialogue
+
+    def _open(self, first: RolloutBatch) -> list[Dialogue]:
+        tokenizer = tokenizer_of(self.processor)
+        dialogues = []
+        for row in range(len(first)):
+            ids = first.prompt_ids[row][first.prompt_mask[row].bool()]
+            inputs = first.model_inputs[row] if first.model_inputs else {}
+            d = Dialogue(first.samples[row], int(first.group_index[row]), EncodedPrompt(ids, dict(inputs)))
+            self._append_turn(d, first, row, tokenizer)
+            dialogues.append(d)
+        return dialogues
+
+    def _append_turn(self, d: Dialogue, batch: RolloutBatch, row: int, tokenizer) -> None:
+        length = int(batch.response_mask[row].sum())
+        ids = batch.response_ids[row, :length].clone()
+        log_probs = None if batch.rollout_log_probs is None else batch.rollout_log_probs[row, :length].clone()
+        d.segments.append(Segment(ids, policy=True, log_probs=log_probs, text=batch.responses[row]))
+        d.turns.append(batch.responses[row])
+        d.truncated = bool(batch.truncated[row])
+        if d.truncated:
+            d.stop_reason = "length"  # a turn cut off mid-way cannot be answered
+
+    def _ask_verifier(self, dialogues: list[Dialogue], validation: bool) -> None:
+        from grouprl.rollout.verifier import VerifierRequest
+
+        asking = [d for d in dialogues if d.open]
+        if not asking:
+            return
+        requests = [VerifierRequest(problem=problem_text(d.sample), reference=None if validation else d.sample.answer,
+                                    turns=list(d.turns)) for d in asking]
+        for d, reply in zip(asking, self.verifier.reply_many(requests)):
+            d.replies.append(reply)
+            if reply.stop and self._has_final_answer(d.turns[-1]):
+                d.stop_reason = "verifier_failure" if reply.failed else "stop"
+
+    def _next_user_message(self, d: Dialogue) -> str:
+        reply = d.replies[-1]
+        # STOP without a final answer (or a failed verifier, taken as STOP) asks for the answer
+        return self.config.continue_message if reply.stop else reply.text
+
+    # ------------------------------------------------------------------ the batch
+
+    def _batch(self, first: RolloutBatch, dialogues: list[Dialogue]) -> RolloutBatch:
+        final = self.config.train_scope == "final_turn"
+        prompts, responses, masks, log_probs, spans = [], [], [], [], []
+        for d in dialogues:
+            last = max(i for i, s in enumerate(d.segments) if s.policy)
+            spans.append(_spans(d.segments[last:] if final else d.segments))
+            head = d.segments[:last] if final else []
+            body = d.segments[last:] if final else d.segments
+            prompts.append(torch.cat([d.prompt.ids, *[s.ids for s in head]]))
+            responses.append(torch.cat([s.ids for s in body]))
+            masks.append(torch.cat([torch.full((len(s.ids),), int(s.policy)) for s in body]))
+            if first.rollout_log_probs is not None:
+                log_probs.append(torch.cat([s.log_probs if s.policy and s.log_probs is not None
+                                            else torch.zeros(len(s.ids)) for s in body]))
+        pad = tokenizer_of(self.processor).pad_token_id
+        prompt_ids, prompt_mask = left_pad(prompts, pad)
+        response_ids, response_mask = _right_pad(responses, pad)
+        policy_mask, _ = _right_pad(masks, 0)
+        rollout_log_probs = _right_pad(log_probs, 0)[0].float() if log_probs else None
+        batch = RolloutBatch(
+            samples=[d.sample for d in dialogues], group_index=first.group_index.clone(),
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+            response_mask=response_mask, policy_mask=policy_mask,
+            responses=[d.turns[-1] for d in dialogues],  # what rewards judge: the final turn
+            truncated=torch.tensor([d.truncated for d in dialogues]),
+            model_inputs=[d.prompt.model_inputs for d in dialogues] if first.model_inputs else [],
+            rollout_log_probs=rollout_log_probs,
+            extras={
+                "verifier_hallucination_score": [d.hallucination_score() for d in dialogues],
+                "num_turns": [len(d.turns) for d in dialogues],
+                "stop_reason": [d.stop_reason for d in dialogues],
+                "dialogue": [_dialogue_record(d) for d in dialogues],
+                "spans": spans,
+            },
+        )
+        self.last_metrics = self._metrics(dialogues)
+        return batch
+
+    def _metrics(self, dialogues: list[Dialogue]) -> dict[str, float]:
+        n = len(dialogues)
+        replies = [r for d in dialogues for r in d.replies]
+        metrics = {
+            "multiturn/turns_mean": sum(len(d.turns) for d in dialogues) / n,
+            "multiturn/hallucination_score": sum(d.hallucination_score() for d in dialogues) / n,
+            "verifier/failures": float(sum(r.failed for r in replies)),
+            "verifier/tokens": float(sum(r.tokens or 0 for r in replies)),
+            "verifier/latency_s": sum(r.latency_s for r in replies) / len(replies) if replies else 0.0,
+        }
+        for reason in STOP_REASONS:
+            metrics[f"multiturn/stop_{reason}"] = sum(d.stop_reason == reason for d in dialogues) / n
+        return metrics
+
+
+def _dialogue_record(d: Dialogue) -> list[dict]:
+    """The dialogue as messages, for rollouts.jsonl: the policy's turns and what came between them."""
+    out = []
+    for s in d.segments:
+        out.append({"role": "assistant" if s.policy else "user", "text": s.text, "tokens": len(s.ids)})
+    return out
+
+
+def _spans(segments: list[Segment]) -> list[list]:
+    """[start, end, kind] of each segment within the trained response (kind: policy or between)."""
+    spans, at = [], 0
+    for s in segments:
+        spans.append([at, at + len(s.ids), "policy" if s.policy else "between"])
+        at += len(s.ids)
+    return spans
+
+
+def _right_pad(rows: list[torch.Tensor], value) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return out, mask

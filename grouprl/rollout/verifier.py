@@ -1,0 +1,680 @@
+"""Guided-GRPO's verifier: the teacher that answers each policy turn of a multi-turn rollout.
+
+    verifier = build_verifier(config.worker.rollout.verifier, tokenizer=tokenizer)
+    replies = verifier.reply_many([VerifierRequest(problem, reference, turns), ...])
+
+After each policy turn the rollout sends the verifier what the seed's verifier sees:
+the problem text (images as ``[IMAGE]``: it never sees pixels), the reference answer
+(``N/A`` in validation) and the policy's turns so far (its own earlier replies are
+left out). The reply either guides the next turn or ends the dialogue with the stop
+token; a ``[SCORE] hallucination_detect=0|1`` line judges the last turn.
+
+Backends (``worker.rollout.verifier.backend``):
+
+- ``http``: an OpenAI-compatible ``POST {base_url}/chat/completions`` server (vLLM,
+  SGLang, a hosted API). Requests run concurrently (at most ``http_concurrency``),
+  retried with exponential back-off on connection errors, timeouts, 5xx and 429.
+  A call that still fails is never hidden: with ``on_failure: stop`` it ends its
+  dialogue as the seed does, but the reply says ``failed=True``, the failure is
+  counted (:attr:`Verifier.failures`) and logged; with ``on_failure: fail`` it
+  raises :class:`VerifierError`.
+- ``local``: a transformers checkpoint loaded with its real weights (the seed built
+  its local verifier on random weights), prompted through its own chat template and
+  sampled with the verifier's settings by grouprl's ``hf`` engine.
+- ``rule``: a deterministic stand-in with the same inputs, for demos and tests: it
+  stops on a correct boxed answer, asks for the format when there is none, otherwise
+  says what is wrong and gives one cue. It has no fluency, and its hallucination
+  check only knows numbers.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from grouprl.config import ConfigError, VerifierConfig
+from grouprl.rewards.rule_based import extract_answer, extract_boxed, math_equal, normalize_answer
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "GROUPRL_VERIFIER_API_KEY"
+IMAGE_PLACEHOLDER = "[IMAGE]"
+NO_REFERENCE = "N/A"
+GUIDANCE_INSTRUCTION = "Provide the next piece of guidance for the student."
+
+# The seed's pattern. A reply is meant to end with its score line, so the last match is the
+# verdict: an earlier one can only be the model quoting the instruction, and the quoted
+# "hallucination_detect=0|1" would otherwise read as a detection (the seed takes the first).
+_SCORE = re.compile(r"\[SCORE\]\s*hallucination_detect\s*=\s*([01])")
+_LEADING_USER = re.compile(r"\AUser:\s*")
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
+
+
+class VerifierError(RuntimeError):
+    """A verifier call failed (``on_failure: fail``).
+
+    ``url`` is the endpoint, ``attempts`` how many requests were made, ``status`` the
+    last HTTP status (None when no answer came back).
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, attempts: int = 0, status: int | None = None):
+        super().__init__(message)
+        self.url = url
+        self.attempts = attempts
+        self.status = status
+
+
+@dataclass
+class VerifierRequest:
+    """What the verifier sees of one dialogue.
+
+    ``problem``: the first user message's text, images shown as ``[IMAGE]``.
+    ``reference``: the reference answer in training; None in validation (``N/A`` in the prompt).
+    ``turns``: the policy's turns so far, oldest first; the verifier's replies are not included.
+    """
+
+    problem: str
+    reference: str | None
+    turns: list[str]
+
+
+@dataclass
+class VerifierReply:
+    """The verifier's answer to one request.
+
+    ``text`` is what the policy reads next (stripped, a leading ``User:`` removed).
+    ``stop`` ends the dialogue (see :func:`is_stop`); ``score`` is the parsed
+    hallucination score (1 = none found, 0 = found; None when absent or disabled).
+    ``failed`` marks a backend failure after its retries (then ``stop`` is True and
+    ``error`` says why). ``latency_s`` is the wall time of the request, retries
+    included (for the local backend, of the batched call it was part of). ``tokens``
+    is the reply's length in tokens when known.
+    """
+
+    text: str
+    stop: bool
+    score: float | None
+    failed: bool = False
+    error: str | None = None
+    latency_s: float = 0.0
+    tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_hallucination_score(text: str) -> float | None:
+    """The ``[SCORE] hallucination_detect=0|1`` value of a reply (0.0 or 1.0), or None without one.
+
+    With several score lines the last one wins (see ``_SCORE``).
+    """
+    matches = _SCORE.findall(text or "")
+    return float(matches[-1]) if matches else None
+
+
+def is_stop(text: str, stop_token: str) -> bool:
+    """Whether a verifier reply ends the dialogue.
+
+    After stripping: empty, without any letter or digit (a model that has nothing to
+    say often emits only punctuation), or starting with ``stop_token``.
+    """
+    text = (text or "").strip()
+    return not text or not any(ch.isalnum() for ch in text) or text.startswith(stop_token)
+
+
+def clean_reply(text: str) -> str:
+    """The reply as the policy reads it: stripped, with a leading ``User:`` role label removed.
+
+    Chat models trained on transcripts sometimes open with the role of the message
+    they write; the policy's chat template already marks the turn as the user's.
+    """
+    text = (text or "").strip()
+    return _LEADING_USER.sub("", text, count=1).strip()
+
+
+def has_final_answer(turn: str) -> bool:
+    """Whether a policy turn holds exactly one ``<answer>...</answer>`` with exactly one non-empty ``\\boxed{}``.
+
+    This is the condition under which a STOP ends a dialogue (otherwise the policy is
+    asked to give its answer in the required format), and the rewards' format rule.
+    A ``\\boxed{`` left open counts as a second, broken box.
+    """
+    if turn.count(_ANSWER_OPEN) != 1 or turn.count(_ANSWER_CLOSE) != 1:
+        return False
+    span = _ANSWER_SPAN.search(turn)
+    if span is None:  # the closing tag comes first
+        return False
+    inside = span.group(1)
+    if len(_BOXED_OPEN.findall(inside)) != 1:
+        return False
+    boxed = extract_boxed(inside)
+    return boxed is not None and bool(boxed)
+
+
+def final_answer(turn: str) -> str | None:
+    """The boxed content of a turn's final answer (see :func:`has_final_answer`), or None."""
+    if not has_final_answer(turn):
+        return None
+    return extract_boxed(_ANSWER_SPAN.search(turn).group(1))
+
+
+def verifier_messages(template: str, request: VerifierRequest) -> list[dict]:
+    """The chat messages of a verifier call: the template as system message, then one user message.
+
+    The user message has three sections (``### Problem Statement``, ``### Reference
+    Answer``, ``### Conversation History``: the policy's turns as ``Assistant:``
+    paragraphs) and ends by asking for the next piece of guidance.
+    """
+    reference = request.reference if request.reference is not None else NO_REFERENCE
+    history = "\n\n".join(f"Assistant: {turn.strip()}" for turn in request.turns) or "(the student has not written yet)"
+    user = (
+        f"### Problem Statement\n{request.problem.strip()}\n\n"
+        f"### Reference Answer\n{str(reference).strip()}\n\n"
+        f"### Conversation History\n{history}\n\n"
+        f"{GUIDANCE_INSTRUCTION}"
+    )
+    return [{"role": "system", "content": template}, {"role": "user", "content": user}]
+
+
+# ---------------------------------------------------------------------------- the interface
+
+
+class Verifier(abc.ABC):
+    """Answers a batch of dialogues' latest turns; one reply per request, in order.
+
+    ``reply_many`` is synchronous and runs the backend's own concurrency inside it.
+    ``requests`` and ``failures`` count calls over the verifier's life, for logs.
+    """
+
+    backend: str = ""
+
+    def __init__(self, config: VerifierConfig, *, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer  # counts reply tokens where the backend gives no count
+        self.requests = 0
+        self.failures = 0
+
+    def reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        requests = list(requests)
+        for i, request in enumerate(requests):
+            if not isinstance(request, VerifierRequest):
+                raise TypeError(f"requests[{i}] must be a VerifierRequest, got {type(request).__name__}")
+        if not requests:
+            return []
+        replies = self._reply_many(requests)
+        self.requests += len(requests)
+        return replies
+
+    @abc.abstractmethod
+    def _reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        """One reply per request, in order."""
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, threads, a model)."""
+
+    def __enter__(self) -> Verifier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _reply(self, raw: str, *, latency_s: float = 0.0, tokens: int | None = None) -> VerifierReply:
+        text = clean_reply(raw)
+        score = parse_hallucination_score(text) if self.config.enable_hallucination_score else None
+        if tokens is None:
+            tokens = self._count_tokens(text)
+        return VerifierReply(text=text, stop=is_stop(text, self.config.stop_token), score=score,
+                             latency_s=latency_s, tokens=tokens)
+
+    def _failed(self, error: str, *, latency_s: float) -> VerifierReply:
+        self.failures += 1
+        logger.warning("verifier call failed, ending its dialogue as a STOP (on_failure=stop; %d failure(s) so "
+                       "far): %s", self.failures, error)
+        return VerifierReply(text="", stop=True, score=None, failed=True, error=error, latency_s=latency_s)
+
+    def _count_tokens(self, text: str) -> int | None:
+        if self.tokenizer is None:
+            return None
+        tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend!r})"
+
+
+def build_verifier(config: VerifierConfig, *, tokenizer=None) -> Verifier:
+    """The verifier ``config`` describes (``backend``, with ``auto`` read through ``use_http``).
+
+    ``tokenizer`` counts reply tokens where the backend has no count of its own (the
+    rule backend, a server that sends no ``usage``); pass the policy's, so that the
+    count is what a reply adds to the policy's context. The HTTP key is ``api_key``
+    or, when that is None, ``$GROUPRL_VERIFIER_API_KEY`` read now.
+    """
+    config.check("worker.rollout.verifier", building=True)
+    backend = config.resolved_backend
+    if backend == "http":
+        return HTTPVerifier(config, tokenizer=tokenizer)
+    if backend == "local":
+        return LocalVerifier(config, tokenizer=tokenizer)
+    if backend == "rule":
+        return RuleVerifier(config, tokenizer=tokenizer)
+    raise ConfigError(f"config key 'worker.rollout.verifier.backend': unknown backend {backend!r}")
+
+
+# ---------------------------------------------------------------------------- http
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class HTTPVerifier(Verifier):
+    """A verifier behind an OpenAI-compatible ``/chat/completions`` endpoint.
+
+    Requests run on a private event loop in a daemon thread, so ``reply_many`` works
+    from plain code and from inside a running event loop alike, and one
+    ``httpx.AsyncClient`` keeps its connections across the turns of a rollout.
+    """
+
+    backend = "http"
+
+    def __init__(self, config: VerifierConfig, *, tokenizer=None) -> None:
+        super().__init__(config, tokenizer=tokenizer)
+        try:
+            import httpx  # noqa: F401  (fail at build time, not at the first rollout)
+        except ImportError as exc:
+            raise ImportError("the http verifier needs httpx: pip install 'grouprl[guided]'") from exc
+        self.url = _chat_completions_url(config.base_url)
+        self.api_key = config.api_key if config.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._http = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the private loop
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="grouprl-verifier-http", daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def _reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        # The caller may be plain code or a coroutine on its own loop: either way it waits here
+        # while the private loop runs the requests.
+        return asyncio.run_coroutine_threadsafe(self._areply_many(requests), self._ensure_loop()).result()
+
+    def close(self) -> None:
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+        if self._http is not None:
+            http, self._http = self._http, None
+            asyncio.run_coroutine_threadsafe(http.aclose(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+    # ------------------------------------------------------------------ requests
+
+    async def _areply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        # Runs on the private loop only: the client's connections belong to that loop.
+        import httpx
+
+        if self._http is None:
+            limits = httpx.Limits(max_connections=self.config.http_concurrency,
+                                  max_keepalive_connections=self.config.http_concurrency)
+            self._http = httpx.AsyncClient(timeout=self.config.timeout, limits=limits)
+        limit = asyncio.Semaphore(self.config.http_concurrency)
+
+        async def one(request: VerifierRequest) -> VerifierReply:
+            async with limit:
+                return await self._request(request)
+
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # on_failure=fail: the first error ends the batch; stop the others' retries too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def payload(self, request: VerifierRequest) -> dict[str, Any]:
+        """The JSON body of one request."""
+        c = self.config
+        body: dict[str, Any] = {"model": c.model, "messages": verifier_messages(c.prompt_template, request),
+                                "max_tokens": c.max_tokens, "temperature": c.temperature, "top_p": c.top_p}
+        if c.top_k >= 0:  # OpenAI's own API has no top_k; send it only when asked for
+            body["top_k"] = c.top_k
+        return body
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    async def _request(self, request: VerifierRequest) -> VerifierReply:
+        import httpx
+
+        payload, headers = self.payload(request), self._headers()
+        attempts, last_error, last_status, retry_after = 0, "", None, None
+        started = time.monotonic()
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                delay = self.config.retry_backoff * 2 ** (attempt - 1)
+                await asyncio.sleep(max(delay, retry_after or 0.0))
+            attempts += 1
+            try:
+                response = await self._http.post(self.url, json=payload, headers=headers)
+                raw, tokens = self._parse(response)
+                return self._reply(raw, latency_s=time.monotonic() - started, tokens=tokens)
+            except _Retryable as exc:
+                last_error, last_status, retry_after = str(exc), exc.status, exc.retry_after
+            except _Refused as exc:  # the server answered and refused: repeating cannot help
+                last_error, last_status = str(exc), exc.status
+                break
+            except httpx.TimeoutException as exc:
+                last_error, last_status, retry_after = (
+                    f"timed out after {self.config.timeout:g} s ({type(exc).__name__})", None, None)
+            except httpx.TransportError as exc:
+                last_error, last_status, retry_after = f"{type(exc).__name__}: {exc or 'connection failed'}", None, None
+        elapsed = time.monotonic() - started
+        message = (f"verifier {self.url} failed after {attempts} attempt(s) over {elapsed:.1f} s "
+                   f"(last status {last_status if last_status is not None else 'none'}): {last_error}")
+        if self.config.on_failure == "fail":
+            self.failures += 1
+            raise VerifierError(message, url=self.url, attempts=attempts, status=last_status)
+        return self._failed(message, latency_s=elapsed)
+
+    def _parse(self, response) -> tuple[str, int | None]:
+        """The reply text and its token count from an answer; raise _Retryable or _Refused otherwise."""
+        status = response.status_code
+        if status >= 500 or status == 429:
+            raise _Retryable(f"HTTP {status}: {_body_excerpt(response)}", status, _retry_after(response))
+        if status != 200:
+            raise _Refused(f"HTTP {status}: {_body_excerpt(response)}", status)
+        try:
+            body = response.json()
+            choice = body["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise _Refused(f"HTTP 200 without choices[0]: {_body_excerpt(response)}", status) from None
+        message = choice.get("message") if isinstance(choice, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str):
+            content = choice.get("text") if isinstance(choice, dict) else None  # the completions-style answer
+        if not isinstance(content, str):
+            raise _Refused(f"HTTP 200 with neither choices[0].message.content nor choices[0].text: "
+                           f"{_body_excerpt(response)}", status)
+        usage = body.get("usage") if isinstance(body, dict) else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            tokens = None
+        return content, tokens
+
+    def __repr__(self) -> str:
+        return (f"HTTPVerifier({self.url!r}, model={self.config.model!r}, "
+                f"http_concurrency={self.config.http_concurrency}, key={'set' if self.api_key else 'none'})")
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _chat_completions_url(base_url: str | None) -> str:
+    """``http://host:8000/v1`` (or the endpoint itself) -> ``http://host:8000/v1/chat/completions``."""
+    if not base_url:
+        raise ConfigError("config key 'worker.rollout.verifier.base_url' is required by the http verifier")
+    url = base_url.strip().rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return url + "/chat/completions"
+
+
+def _body_excerpt(response) -> str:
+    text = response.text.strip()
+    return text[:300] if text else "(empty body)"
+
+
+def _retry_after(response) -> float | None:
+    """A 429/503's ``Retry-After`` in seconds (capped at a minute), when the server sends one."""
+    value = response.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:  # the HTTP-date form: rare from model servers; the back-off applies
+        return None
+    return min(max(seconds, 0.0), 60.0) if math.isfinite(seconds) else None
+
+
+# ---------------------------------------------------------------------------- local
+
+
+class LocalVerifier(Verifier):
+    """A transformers checkpoint answering in-process.
+
+    Loaded with its real weights through ``load_model_and_processor`` (dtype as the
+    checkpoint stores it), onto the current CUDA device when there is one. Requests
+    are rendered with the checkpoint's own chat template and generated in one batch by
+    grouprl's ``hf`` engine with the verifier's temperature, top-p, top-k and
+    ``max_tokens``. An exception in generation propagates: unlike a remote server's
+    hiccup it is no transient state that a retry or a STOP could paper over.
+    """
+
+    backend = "local"
+
+    def __init__(self, config: VerifierConfig, *, tokenizer=None, device=None) -> None:
+        super().__init__(config, tokenizer=tokenizer)
+        import torch
+
+        from grouprl.models.loading import load_model_and_processor
+        from grouprl.rollout.engine import SamplingParams
+        from grouprl.rollout.hf_engine import HFGenerationEngine
+
+        model, processor, _ = load_model_and_processor(config.model_path, dtype="auto",
+                                                       trust_remote_code=config.trust_remote_code)
+        if config.tokenizer_path and config.tokenizer_path != config.model_path:
+            processor = _load_tokenizer(config.tokenizer_path, like=processor,
+                                        trust_remote_code=config.trust_remote_code)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.model = model.to(device).eval()
+        self.processor = processor
+        # holds_weights: the engine owns this model (frozen; nothing ever updates it)
+        self.engine = HFGenerationEngine(self.model, processor, holds_weights=True)
+        self.sampling = SamplingParams(n=1, temperature=config.temperature, top_p=config.top_p,
+                                       top_k=config.top_k if config.top_k > 0 else None,
+                                       max_new_tokens=config.max_tokens)
+
+    def samples(self, requests: list[VerifierRequest]) -> list:
+        """The requests as text-only Samples (the verifier never sees images)."""
+        from grouprl.data.sample import Sample
+
+        return [Sample(messages=verifier_messages(self.config.prompt_template, r), index=i)
+                for i, r in enumerate(requests)]
+
+    def render(self, request: VerifierRequest) -> str:
+        """The prompt text a request becomes through the checkpoint's chat template."""
+        from grouprl.models.prompts import render_prompt
+
+        return render_prompt(self.processor, self.samples([request])[0])
+
+    def _reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        started = time.monotonic()
+        batch = self.engine.generate(self.samples(requests), self.sampling)
+        latency = time.monotonic() - started
+        lengths = batch.response_mask.sum(dim=1).tolist()
+        return [self._reply(text, latency_s=latency, tokens=int(n)) for text, n in zip(batch.responses, lengths)]
+
+    def close(self) -> None:
+        # Drop the references; the memory goes back once nothing else holds the model.
+        self.engine = self.model = self.processor = None
+
+
+def _load_tokenizer(path: str, *, like, trust_remote_code: bool):
+    """The tokenizer (or processor, when ``like`` is one) at ``path``, set up for batched generation."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from grouprl.models.prompts import tokenizer_of
+
+    loader = AutoProcessor if hasattr(like, "tokenizer") else AutoTokenizer
+    processor = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = tokenizer_of(processor)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # as load_model_and_processor sets it: prompts are left-padded
+    return processor
+
+
+# ---------------------------------------------------------------------------- rule
+
+
+# A number as written in text: digits with thousands commas and decimals. The sign is left
+# out ("-3" where the problem says 3 is an operation on a given value, not a new one), and
+# so is "a/b", whose parts are checked one by one.
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\w])")
+# Enumeration markers are layout, not claims: "Step 2", "2." or "2)" at a line start, "(2)".
+_ENUMERATION = re.compile(r"(?:\bstep\s+\d+\b)|(?:^\s*\d+[.)](?=\s))|(?:\(\d+\))", re.IGNORECASE | re.MULTILINE)
+_SET_BRACES = re.compile(r"^\\?[{(\[]|\\?[})\]]$")
+
+
+def _number(text: str) -> Fraction | None:
+    """``text`` as an exact number (``12``, ``-3.5``, ``1,200``, ``3/4``), or None."""
+    s = text.strip().replace(",", "")
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _numbers_in(text: str) -> set[Fraction]:
+    text = _ENUMERATION.sub(" ", text)
+    found = set()
+    for m in _NUMBER.finditer(text):
+        value = _number(m.group())
+        if value is not None:
+            found.add(value)
+    return found
+
+
+def _items(answer: str) -> list[str] | None:
+    """The items of a comma-separated answer (``1, 2, 3`` or ``\\{a, b\\}``), or None for a single item."""
+    s = answer.strip()
+    while _SET_BRACES.search(s) and len(s) > 1:
+        s = _SET_BRACES.sub("", s).strip()
+    if "," not in s or _number(s) is not None:  # "1,200" is one number
+        return None
+    return [normalize_answer(x) for x in s.split(",") if x.strip()]
+
+
+def answers_match(reference: str, predicted: str) -> bool:
+    """Equal as normalised text, as exact numbers, or by math-verify's equivalence."""
+    if normalize_answer(reference) == normalize_answer(predicted):
+        return True
+    a, b = _number(reference), _number(predicted)
+    if a is not None and b is not None:
+        return a == b
+    return math_equal(reference, predicted)
+
+
+class RuleVerifier(Verifier):
+    """A deterministic verifier with the seed's inputs: problem text, reference, the policy's turns.
+
+    On the last turn:
+
+    - a final answer (:func:`has_final_answer`) equal to the reference's answer
+      (:func:`answers_match`): the stop token alone; with no reference (validation)
+      any final answer stops, since there is nothing to check it against;
+    - no final answer: a request to write it as ``<answer>\\boxed{...}</answer>``;
+    - a wrong one: what is wrong (a number "too high"/"too low", a list "k of your n
+      items are right") and one small cue, never the answer.
+
+    Every reply but STOP ends with a checkpoint question and, when scores are on,
+    ``[SCORE] hallucination_detect=0`` if the last turn states a number found neither
+    in the problem nor in the reference (enumerations like "Step 2" aside), else ``=1``.
+    The check is blunt by design: a value the student derived correctly also counts,
+    and numbers shown only in an image are unknown to it, as to the seed's verifier.
+    """
+
+    backend = "rule"
+
+    def _reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
+        return [self._reply(self.respond(r)) for r in requests]
+
+    def respond(self, request: VerifierRequest) -> str:
+        """The raw reply text for one request."""
+        last = request.turns[-1] if request.turns else ""
+        predicted = final_answer(last)
+        gold = extract_answer(request.reference) if request.reference is not None else None
+        if predicted is not None and (gold is None or answers_match(gold, predicted)):
+            return self.config.stop_token
+        if predicted is None:
+            guidance = ("Your final answer is missing or not in the required format. Write it once, as "
+                        "<answer>\\boxed{...}</answer>, with exactly one \\boxed{} inside.")
+            question = "What is your final answer, in that format?"
+        else:
+            guidance, question = _correction(gold, predicted)
+        lines = [guidance, question]
+        if self.config.enable_hallucination_score:
+            lines.append(f"[SCORE] hallucination_detect={self.hallucination_score(request)}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def hallucination_score(request: VerifierRequest) -> int:
+        """0 when the last turn states a number found neither in the problem nor in the reference, else 1."""
+        last = request.turns[-1] if request.turns else ""
+        known = _numbers_in(request.problem) | _numbers_in(request.reference or "")
+        return 0 if _numbers_in(last) - known else 1
+
+
+def _correction(gold: str, predicted: str) -> tuple[str, str]:
+    """What is wrong with a final answer and one cue, without giving the answer away."""
+    a, b = _number(gold), _number(predicted)
+    if a is not None and b is not None:
+        if b == -a:
+            return (f"Your answer {predicted} has the wrong sign.",
+                    "Which step flips the sign, and should it?")
+        direction = "too high" if b > a else "too low"
+        cue = "Re-check the last computation that produced it."
+        if a != 0 and b != 0 and _power_of_ten(b / a):
+            cue = "Check your units and the position of the decimal point."
+        return f"Your answer {predicted} is {direction}. {cue}", "What do you get when you redo that step?"
+    gold_items, predicted_items = _items(gold), _items(predicted)
+    if gold_items is not None and predicted_items is not None:
+        right = len(set(predicted_items) & set(gold_items))
+        cue = ("The answer has a different number of items than yours."
+               if len(set(predicted_items)) != len(set(gold_items)) else "Test each item against the conditions.")
+        return (f"{right} of your {len(predicted_items)} items are right. {cue}",
+                "Which of your items fails a condition of the problem?")
+    return ("Your final answer does not match the expected result.",
+            "Which condition of the problem does your answer not satisfy yet?")
+
+
+def _power_of_ten(ratio: Fraction) -> bool:
+    ratio = abs(ratio)
+    if ratio < 1:
+        ratio = 1 / ratio
+    return ratio.denominator == 1 and ratio > 1 and str(ratio.numerator).strip("0") == "1"
