@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import re
+from fractions import Fraction
 import threading
 from typing import Any, Sequence
 
@@ -21,6 +22,7 @@ FORMAT_STYLES = ("think_answer", "boxed", "think_boxed")
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 _ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _THINK_THEN_REST = re.compile(r"\s*<think>.*?</think>(.*)", re.DOTALL)
 _WHITESPACE = re.compile(r"\s+")
@@ -171,6 +173,56 @@ def math_equal(gold: str, pred: str) -> bool:
         return False
 
 
+
+
+# ---------------------------------------------------------------- final answers (<answer>\boxed{}</answer>)
+
+
+def has_final_answer(turn: str) -> bool:
+    """Whether a policy turn holds exactly one ``<answer>...</answer>`` with exactly one non-empty ``\\boxed{}``.
+
+    This is the condition under which a STOP ends a dialogue (otherwise the policy is
+    asked to give its answer in the required format), and the rewards' format rule.
+    A ``\\boxed{`` left open counts as a second, broken box.
+    """
+    if turn.count(_ANSWER_OPEN) != 1 or turn.count(_ANSWER_CLOSE) != 1:
+        return False
+    span = _ANSWER_SPAN.search(turn)
+    if span is None:  # the closing tag comes first
+        return False
+    inside = span.group(1)
+    if len(_BOXED_OPEN.findall(inside)) != 1:
+        return False
+    boxed = extract_boxed(inside)
+    return boxed is not None and bool(boxed)
+
+
+def final_answer(turn: str) -> str | None:
+    """The boxed content of a turn's final answer (see :func:`has_final_answer`), or None."""
+    if not has_final_answer(turn):
+        return None
+    return extract_boxed(_ANSWER_SPAN.search(turn).group(1))
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact number (``12``, ``-3.5``, ``1,200``, ``3/4``), or None."""
+    s = text.strip().replace(",", "")
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(reference: str, predicted: str) -> bool:
+    """Equal as normalised text, as exact numbers, or by math-verify's equivalence."""
+    if normalize_answer(reference) == normalize_answer(predicted):
+        return True
+    a, b = parse_number(reference), parse_number(predicted)
+    if a is not None and b is not None:
+        return a == b
+    return math_equal(reference, predicted)
+
+
 # ---------------------------------------------------------------- rewards
 
 
@@ -274,4 +326,40 @@ def length_reward(
         else:
             penalty = max(0, n - limit) / limit
         out.append(0.0 - min(1.0, penalty))  # 0.0 - x: no "-0.0" in logs at the target
+    return out
+
+
+@register_reward("guided")
+def guided_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    answer: Sequence[Any] | None = None,
+    verifier_hallucination_score: Sequence[float | None] | None = None,
+    accuracy_weight: float = 0.8,
+    format_weight: float = 0.1,
+    hallucination_weight: float = 0.1,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Guided-GRPO's reward: accuracy_weight * accuracy + format_weight * format + hallucination_weight * h.
+
+    accuracy: 1 when the completion's final answer (the ``\\boxed{}`` in its one
+    ``<answer>``) equals the reference (:func:`answers_match`), else 0; format: 1 when
+    it has such a final answer (:func:`has_final_answer`); h: the verifier's mean
+    hallucination score for the dialogue (column ``verifier_hallucination_score``), 0.5
+    when the column is absent or None, as the seed scores a dialogue without scores.
+    The seed's weights are 0.8 / 0.1 / 0.1. A row without a reference gets None.
+    """
+    if answer is None:
+        raise ValueError("the guided reward needs an 'answer' column (the reference answer per row)")
+    scores = verifier_hallucination_score or [None] * len(completions)
+    out: list[float | None] = []
+    for gold, completion, h in zip(answer, completions, scores):
+        if gold is None:
+            out.append(None)
+            continue
+        predicted = final_answer(completion)
+        accurate = predicted is not None and answers_match(extract_answer(str(gold)), predicted)
+        out.append(accuracy_weight * float(accurate) + format_weight * float(predicted is not None)
+                   + hallucination_weight * (0.5 if h is None else float(h)))
     return out

@@ -42,7 +42,18 @@ from fractions import Fraction
 from typing import Any
 
 from grouprl.config import ConfigError, VerifierConfig
-from grouprl.rewards.rule_based import extract_answer, extract_boxed, math_equal, normalize_answer
+# The final-answer rules live with the rewards (the format reward uses them too); re-exported here
+# because a dialogue's STOP depends on them.
+from grouprl.rewards.rule_based import (  # noqa: F401
+    answers_match,
+    extract_answer,
+    extract_boxed,
+    final_answer,
+    has_final_answer,
+    math_equal,
+    normalize_answer,
+    parse_number,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +67,6 @@ GUIDANCE_INSTRUCTION = "Provide the next piece of guidance for the student."
 # "hallucination_detect=0|1" would otherwise read as a detection (the seed takes the first).
 _SCORE = re.compile(r"\[SCORE\]\s*hallucination_detect\s*=\s*([01])")
 _LEADING_USER = re.compile(r"\AUser:\s*")
-_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
-_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 
 
 class VerifierError(RuntimeError):
@@ -141,32 +149,6 @@ def clean_reply(text: str) -> str:
     """
     text = (text or "").strip()
     return _LEADING_USER.sub("", text, count=1).strip()
-
-
-def has_final_answer(turn: str) -> bool:
-    """Whether a policy turn holds exactly one ``<answer>...</answer>`` with exactly one non-empty ``\\boxed{}``.
-
-    This is the condition under which a STOP ends a dialogue (otherwise the policy is
-    asked to give its answer in the required format), and the rewards' format rule.
-    A ``\\boxed{`` left open counts as a second, broken box.
-    """
-    if turn.count(_ANSWER_OPEN) != 1 or turn.count(_ANSWER_CLOSE) != 1:
-        return False
-    span = _ANSWER_SPAN.search(turn)
-    if span is None:  # the closing tag comes first
-        return False
-    inside = span.group(1)
-    if len(_BOXED_OPEN.findall(inside)) != 1:
-        return False
-    boxed = extract_boxed(inside)
-    return boxed is not None and bool(boxed)
-
-
-def final_answer(turn: str) -> str | None:
-    """The boxed content of a turn's final answer (see :func:`has_final_answer`), or None."""
-    if not has_final_answer(turn):
-        return None
-    return extract_boxed(_ANSWER_SPAN.search(turn).group(1))
 
 
 def verifier_messages(template: str, request: VerifierRequest) -> list[dict]:
@@ -561,20 +543,11 @@ _ENUMERATION = re.compile(r"(?:\bstep\s+\d+\b)|(?:^\s*\d+[.)](?=\s))|(?:\(\d+\))
 _SET_BRACES = re.compile(r"^\\?[{(\[]|\\?[})\]]$")
 
 
-def _number(text: str) -> Fraction | None:
-    """``text`` as an exact number (``12``, ``-3.5``, ``1,200``, ``3/4``), or None."""
-    s = text.strip().replace(",", "")
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 def _numbers_in(text: str) -> set[Fraction]:
     text = _ENUMERATION.sub(" ", text)
     found = set()
     for m in _NUMBER.finditer(text):
-        value = _number(m.group())
+        value = parse_number(m.group())
         if value is not None:
             found.add(value)
     return found
@@ -585,19 +558,9 @@ def _items(answer: str) -> list[str] | None:
     s = answer.strip()
     while _SET_BRACES.search(s) and len(s) > 1:
         s = _SET_BRACES.sub("", s).strip()
-    if "," not in s or _number(s) is not None:  # "1,200" is one number
+    if "," not in s or parse_number(s) is not None:  # "1,200" is one number
         return None
     return [normalize_answer(x) for x in s.split(",") if x.strip()]
-
-
-def answers_match(reference: str, predicted: str) -> bool:
-    """Equal as normalised text, as exact numbers, or by math-verify's equivalence."""
-    if normalize_answer(reference) == normalize_answer(predicted):
-        return True
-    a, b = _number(reference), _number(predicted)
-    if a is not None and b is not None:
-        return a == b
-    return math_equal(reference, predicted)
 
 
 class RuleVerifier(Verifier):
@@ -652,7 +615,7 @@ class RuleVerifier(Verifier):
 
 def _correction(gold: str, predicted: str) -> tuple[str, str]:
     """What is wrong with a final answer and one cue, without giving the answer away."""
-    a, b = _number(gold), _number(predicted)
+    a, b = parse_number(gold), parse_number(predicted)
     if a is not None and b is not None:
         if b == -a:
             return (f"Your answer {predicted} has the wrong sign.",
