@@ -270,3 +270,11 @@ def test_guided_run_killed_and_resumed_matches(arithmetic, tmp_path):
     resumed.train()
     for (name, a), b in zip(full.policy.named_parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_an_engine_context_holds_the_longest_dialogue():
+    from grouprl.rollout.multiturn import TEMPLATE_TOKENS_PER_TURN, dialogue_response_budget
+
+    cfg = VerifierConfig(enable=True, backend="rule", max_turns=3, max_tokens=50)
+    assert dialogue_response_budget(100, cfg) == 3 * 100 + 2 * (50 + TEMPLATE_TOKENS_PER_TURN)
+    assert dialogue_response_budget(100, VerifierConfig(enable=True, backend="rule", max_turns=1)) == 100

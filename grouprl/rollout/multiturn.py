@@ -78,6 +78,19 @@ class Dialogue:
         return sum(scores) / len(scores) if scores else 0.5
 
 
+# tokens a chat template writes around one verifier reply (end of turn, role headers); generous
+TEMPLATE_TOKENS_PER_TURN = 32
+
+
+def dialogue_response_budget(max_response_length: int, verifier_config) -> int:
+    """The most response tokens a dialogue can reach: ``max_turns`` policy turns of at most
+    ``max_response_length`` tokens, and a verifier reply of at most ``max_tokens`` (with the
+    template around it) between each two. An engine sizes its context with it."""
+    turns = verifier_config.max_turns
+    between = verifier_config.max_tokens + TEMPLATE_TOKENS_PER_TURN
+    return turns * max_response_length + (turns - 1) * between
+
+
 def problem_text(sample: Sample) -> str:
     """The first user message's text, images shown as ``[IMAGE]``: all the verifier sees of the problem."""
     for message in sample.messages:

@@ -493,8 +493,13 @@ class VLLMEngine(RolloutEngine):
         actor, roll, data = config.worker.actor, config.worker.rollout, config.data
         if not actor.model.model_path:
             raise ValueError("worker.rollout.engine 'vllm' loads the checkpoint itself: set worker.actor.model.model_path")
+        response_budget = data.max_response_length
+        if roll.verifier.enable:  # a dialogue's context holds every turn and the replies between them
+            from grouprl.rollout.multiturn import dialogue_response_budget
+
+            response_budget = dialogue_response_budget(data.max_response_length, roll.verifier)
         return cls(model, processor, model_path=actor.model.model_path, max_prompt_length=data.max_prompt_length,
-                   max_response_length=data.max_response_length, dtype=vllm_dtype(actor.model.dtype, model),
+                   max_response_length=response_budget, dtype=vllm_dtype(actor.model.dtype, model),
                    gpu_memory_utilization=roll.gpu_memory_utilization, enforce_eager=roll.enforce_eager,
                    tensor_parallel_size=roll.tensor_parallel_size, max_num_batched_tokens=roll.max_num_batched_tokens,
                    enable_chunked_prefill=roll.enable_chunked_prefill, enable_sleep_mode=roll.enable_sleep_mode,
