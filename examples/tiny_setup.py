@@ -10,13 +10,18 @@ same. Under ROOT it writes, once:
 - ``reports/data.json``: synthetic chest X-ray studies in LLaVA format (the EditGRPO task);
 - ``vqa/data.jsonl``: the same kind of studies as CheXPO-style VQA in ms-swift format:
   "Which findings are present?", answered with the present findings, comma-separated,
-  the report as the reasoning, question type "findings".
+  the report as the reasoning, question type "findings";
+- ``math/data.jsonl``: synthetic arithmetic word problems in EasyR1 format, with worked
+  solutions ending in ``<answer>\\boxed{N}</answer>`` (``grouprl.data.synthetic_math``), the
+  task of recipes with a verifier: the rule verifier checks their boxed answers.
 
 The overrides come from ``tiny_overrides.txt`` next to this file: its ``[all]`` lines for
 every recipe, its ``[reward_server]`` lines for recipes scored by the reward server (they
-score in process instead, with the same composite) and its ``[online_filtering]`` lines for
-recipes with dynamic sampling. A recipe whose rewards read answers (answer_set_f1,
-kg_consistency) gets the VQA data; the others get the reports.
+score in process instead, with the same composite), its ``[online_filtering]`` lines for
+recipes with dynamic sampling and its ``[verifier]`` lines for recipes with Guided-GRPO's
+verifier (the rule verifier instead of a server). A recipe with a verifier gets the
+arithmetic problems; one whose rewards read answers (answer_set_f1, kg_consistency) gets the
+VQA data; the others get the reports.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ STUDIES = 8
 VQA_QUESTION = ("Which findings are present? Reason inside <think></think>, then list the findings, "
                 "comma-separated, inside <answer></answer>.")
 VQA_REWARDS = {"answer_set_f1", "kg_consistency"}
-DATA_FILES = {"reports": "reports/data.json", "vqa": "vqa/data.jsonl"}  # per task, under ROOT
+DATA_FILES = {"reports": "reports/data.json", "vqa": "vqa/data.jsonl", "math": "math/data.jsonl"}  # under ROOT
 NO_FINDING = "no finding"
 
 
@@ -45,6 +50,10 @@ def build(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
         write_dataset(paths["reports"].parent, STUDIES, seed=seed, format="llava")
     if not paths["vqa"].exists():
         write_vqa(paths["vqa"], STUDIES, seed=seed + 1)
+    if not paths["math"].exists():
+        from grouprl.data import synthetic_math
+
+        synthetic_math.write_dataset(paths["math"], synthetic_math.generate_problems(STUDIES, seed=seed + 2))
     if not (paths["model"] / "config.json").exists():
         from grouprl.data.synthetic_cxr import FINDINGS
         from grouprl.models.tiny import build_tiny_vlm
@@ -104,10 +113,13 @@ def read_sections(path: Path = OVERRIDES_FILE) -> dict[str, list[str]]:
 
 
 def task_of(recipe: str | Path) -> str:
-    """``vqa`` for a recipe whose rewards read answers, else ``reports``."""
+    """``math`` for a recipe with a verifier, ``vqa`` for one whose rewards read answers, else ``reports``."""
     from grouprl.config import load_config
 
-    names = {f.name for f in load_config(recipe).worker.reward.functions}
+    config = load_config(recipe)
+    if config.worker.rollout.verifier.enable:
+        return "math"
+    names = {f.name for f in config.worker.reward.functions}
     return "vqa" if names & VQA_REWARDS else "reports"
 
 
@@ -126,6 +138,8 @@ def overrides(recipe: str | Path, root: str | Path, out: str | Path | None = Non
         lines += sections["reward_server"]
     if config.algorithm.online_filtering:
         lines += sections["online_filtering"]
+    if config.worker.rollout.verifier.enable:
+        lines += sections["verifier"]
     result = []
     for line in lines:
         for key, value in values.items():

@@ -26,10 +26,21 @@ def _config(args):
 
 
 def cmd_train(args) -> int:
-    from grouprl.trainer.grpo import GRPOTrainer
+    from grouprl.config import read_config_values
 
-    config = _config(args)
-    trainer = GRPOTrainer(config)
+    values = read_config_values(args.config, args.overrides)
+    if values.get("kind") == "flow":  # a flow-matching image model: Flow-GRPO and its family
+        from grouprl.diffusion.config import flow_config_from_dict
+        from grouprl.diffusion.trainer import FlowGRPOTrainer
+
+        config = flow_config_from_dict(values)
+        trainer = FlowGRPOTrainer(config)
+    else:
+        from grouprl.config import config_from_dict
+        from grouprl.trainer.grpo import GRPOTrainer
+
+        config = config_from_dict(values)
+        trainer = GRPOTrainer(config)
     trainer.train()
     if trainer.is_main:
         print(f"run directory: {config.run_dir.resolve()}")
@@ -56,7 +67,15 @@ def cmd_export(args) -> int:
 def cmd_demo(args) -> int:
     from grouprl.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed, compare=args.compare)
+    if args.guided:
+        if args.compare:
+            print("grouprl demo: --guided and --compare are separate demos; choose one", file=sys.stderr)
+            return 2
+        from grouprl.demo import run_guided_demo
+
+        run_guided_demo(args.out or "runs/demo-guided", quick=args.quick, seed=args.seed)
+        return 0
+    run_demo(args.out or "runs/demo", quick=args.quick, seed=args.seed, compare=args.compare)
     return 0
 
 
@@ -178,11 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(fn=cmd_export)
 
-    p = sub.add_parser("demo", help="SFT then GRPO on synthetic chest X-rays with a tiny Qwen2.5-VL, on CPU")
-    p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    p = sub.add_parser("demo", help="SFT then GRPO on synthetic chest X-rays with a tiny Qwen2.5-VL, on CPU "
+                                    "(--guided: GRPO vs Guided-GRPO on arithmetic with a tiny Qwen2)")
+    p.add_argument("--out", help="run directory (default runs/demo; with --guided runs/demo-guided)")
     p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
     p.add_argument("--compare", action="store_true",
                    help="train SFT+GRPO, SFT+Dr.GRPO and SFT+EditGRPO from the same SFT model and compare them")
+    p.add_argument("--guided", action="store_true",
+                   help="Guided-GRPO's demo: synthetic arithmetic word problems, SFT, then GRPO and Guided-GRPO "
+                        "(rule verifier, at most 3 turns) from the same SFT model, compared on held-out problems")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
 

@@ -9,6 +9,7 @@ against the field's type (and its ``choices`` where it has a closed set).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import os
@@ -465,8 +466,13 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+# The schema whose keys an unknown key is compared with: the language trainer's Config, or
+# another root (the flow trainer's) while `build_config` builds one.
+_SCHEMA_ROOT: contextvars.ContextVar[type] = contextvars.ContextVar("grouprl_config_schema_root")
+
+
 def _unknown_key(key: str) -> ConfigError:
-    valid = all_keys()
+    valid = all_keys(_SCHEMA_ROOT.get(Config))
     leaf = key.rsplit(".", 1)[-1]
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     # A right leaf name under the wrong section is the common mistake: suggest by leaf too.
@@ -588,14 +594,18 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def config_from_dict(values: dict) -> Config:
-    config = _build(Config, values or {})
-    validate(config)
-    return config
+def build_config(root: type, values: dict):
+    """``values`` checked against the dataclass schema ``root`` (types, choices, unknown keys with suggestions)."""
+    token = _SCHEMA_ROOT.set(root)
+    try:
+        return _build(root, values or {})
+    finally:
+        _SCHEMA_ROOT.reset(token)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
-    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
+def read_config_values(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                       base: dict | None = None) -> dict:
+    """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict."""
     values: dict = dict(base or {})
     if path is not None:
         path = Path(path)
@@ -608,8 +618,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         values = _merge(values, loaded)
-    values = _merge(values, parse_overrides(overrides or []))
-    return config_from_dict(values)
+    return _merge(values, parse_overrides(overrides or []))
+
+
+def config_from_dict(values: dict) -> Config:
+    config = _build(Config, values or {})
+    validate(config)
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
+    return config_from_dict(read_config_values(path, overrides, base))
 
 
 def to_dict(config: Config) -> dict:
@@ -618,7 +638,7 @@ def to_dict(config: Config) -> dict:
 
 def redacted(config: Config) -> dict:
     """The config as a dict for files and loggers: every field marked secret (API keys) is None."""
-    return _without_secrets(to_dict(config))
+    return _without_secrets(to_dict(config), type(config))
 
 
 def _without_secrets(values: dict, cls: type = Config) -> dict:

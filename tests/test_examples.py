@@ -57,6 +57,19 @@ EXPECTED = {
         "algorithm.norm_adv_by_std_in_grpo": True, "trainer.log_completions": True,
         "worker.reward.reward_server": None,
     },
+    # Guided-GRPO's examples/config_multi_turn.yaml, with config_multi_turn_http.yaml's HTTP verifier
+    "guided_grpo_qwen3vl8b.yaml": {
+        "worker.actor.model.model_path": "Qwen/Qwen3-VL-8B-Instruct", "worker.rollout.n": 8,
+        "worker.rollout.temperature": 1.0, "worker.actor.optim.lr": 5e-6, "worker.actor.optim.weight_decay": 1e-2,
+        "algorithm.use_kl_loss": True, "algorithm.kl_penalty": "low_var_kl", "algorithm.kl_coef": 1e-3,
+        "data.rollout_batch_size": 512, "worker.actor.global_batch_size": 128, "data.max_prompt_length": 12800,
+        "data.max_response_length": 2048, "worker.actor.max_grad_norm": 1.0,
+        "worker.rollout.verifier.enable": True, "worker.rollout.verifier.use_http": True,
+        "worker.rollout.verifier.max_turns": 10, "worker.rollout.verifier.stop_token": "###STOP###",
+        "worker.rollout.verifier.temperature": 0.2, "worker.rollout.verifier.top_p": 0.95,
+        "worker.rollout.verifier.max_tokens": 256, "worker.rollout.verifier.train_scope": "full_turn",
+        "worker.rollout.verifier.api_key": None,  # from $GROUPRL_VERIFIER_API_KEY, never in the recipe
+    },
 }
 EDIT_KEYS = {"extractor": True, "extractor_num_ops_per_para": 1, "extractor_num_para": -1,
              "extractor_similarity_threshold": 0.6, "extractor_type": "rules"}
@@ -136,7 +149,10 @@ def test_overrides_follow_the_recipe(tiny_root):
     assert f"data.train_files=['{tiny_root.resolve() / 'vqa' / 'data.jsonl'}']" in chexpo
     assert "worker.reward.reward_server=null" in edit and "worker.reward.reward_server=null" not in chexpo
     assert "algorithm.filter_min_std=0.0" in chexpo and "algorithm.filter_min_std=0.0" not in edit
-    assert not any("@" in line for line in edit + chexpo)
+    guided = tiny_setup.overrides(EXAMPLES / "guided_grpo_qwen3vl8b.yaml", tiny_root)
+    assert f"data.train_files=['{tiny_root.resolve() / 'math' / 'data.jsonl'}']" in guided
+    assert "worker.rollout.verifier.backend=rule" in guided and "worker.rollout.verifier.backend=rule" not in edit
+    assert not any("@" in line for line in edit + chexpo + guided)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -153,7 +169,14 @@ def test_recipe_runs_one_tiny_step(recipe, tiny_root, tmp_path):
     # the recipe's algorithm reached the run (the tiny overrides only touch sizes, paths and devices)
     for key in ("adv_estimator", "norm_adv_by_std_in_grpo", "loss_agg_mode", "kl_coef", "kl_penalty"):
         assert saved["algorithm"][key] == getattr(recipe_config.algorithm, key)
-    if recipe == "chexpo_v2.yaml":
+    if recipe == "guided_grpo_qwen3vl8b.yaml":
+        # the rollouts were dialogues with the rule verifier, scored by Guided-GRPO's reward
+        assert saved["worker"]["rollout"]["verifier"]["backend"] == "rule"
+        assert "rewards/guided/mean" in step and "multiturn/turns_mean" in step and "verifier/failures" in step
+        rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+        assert rollouts and all(r["dialogue"] and r["spans"] and r["stop_reason"] for r in rollouts)
+        assert all(1 <= r["num_turns"] <= 2 for r in rollouts)
+    elif recipe == "chexpo_v2.yaml":
         for name in ("format", "answer_set_f1", "kg_consistency"):
             assert f"rewards/{name}/mean" in step
         assert saved["worker"]["actor"]["model"]["lora"]["rank"] == 64
