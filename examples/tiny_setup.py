@@ -13,10 +13,14 @@ same. Under ROOT it writes, once:
   the report as the reasoning, question type "findings";
 - ``math/data.jsonl``: synthetic arithmetic word problems in EasyR1 format, with worked
   solutions ending in ``<answer>\\boxed{N}</answer>`` (``grouprl.data.synthetic_math``), the
-  task of recipes with a verifier: the rule verifier checks their boxed answers.
+  task of recipes with a verifier: the rule verifier checks their boxed answers;
+- for flow-matching recipes (``kind: flow``), only when one is run (they need
+  ``grouprl[diffusion]``): ``flow_model/``, grouprl's tiny pixel-space SD3 transformer
+  (``grouprl.diffusion.tiny.build_tiny_pixel_flow``, 16 x 16 RGB) with its tiny CLIP text
+  encoder, and ``ocr/train.txt``, prompts quoting a word to render (Flow-GRPO's OCR layout).
 
 The overrides come from ``tiny_overrides.txt`` next to this file: its ``[all]`` lines for
-every recipe, its ``[reward_server]`` lines for recipes scored by the reward server (they
+every language recipe (``[flow]`` instead for flow-matching recipes), its ``[reward_server]`` lines for recipes scored by the reward server (they
 score in process instead, with the same composite), its ``[online_filtering]`` lines for
 recipes with dynamic sampling and its ``[verifier]`` lines for recipes with Guided-GRPO's
 verifier (the rule verifier instead of a server). A recipe with a verifier gets the
@@ -36,7 +40,10 @@ STUDIES = 8
 VQA_QUESTION = ("Which findings are present? Reason inside <think></think>, then list the findings, "
                 "comma-separated, inside <answer></answer>.")
 VQA_REWARDS = {"answer_set_f1", "kg_consistency"}
-DATA_FILES = {"reports": "reports/data.json", "vqa": "vqa/data.jsonl", "math": "math/data.jsonl"}  # under ROOT
+DATA_FILES = {"reports": "reports/data.json", "vqa": "vqa/data.jsonl", "math": "math/data.jsonl",
+              "ocr": "ocr/train.txt"}  # per task, under ROOT
+MODELS = {"ocr": "flow_model"}  # the tiny model of a task, under ROOT (default: model)
+OCR_WORDS = ("HELLO", "grouprl", "STOP", "OPEN 24", "EXIT", "CAFE", "RL", "GRPO")
 NO_FINDING = "no finding"
 
 
@@ -62,6 +69,27 @@ def build(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
         text += [finding_label(name) for name in FINDINGS]
         build_tiny_vlm(paths["model"], text, seed=seed, vocab_size=1024)
     return paths
+
+
+def build_flow(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
+    """The flow-matching recipes' tiny model and OCR prompts under ``root`` (kept when already there)."""
+    root = Path(root)
+    paths = {"model": root / MODELS["ocr"], "ocr": root / DATA_FILES["ocr"]}
+    if not paths["ocr"].exists():
+        paths["ocr"].parent.mkdir(parents=True, exist_ok=True)
+        paths["ocr"].write_text("".join(f'A sign that says "{word}"\n' for word in OCR_WORDS))
+    if not (paths["model"] / "flow_model.json").exists():
+        from grouprl.diffusion.tiny import build_tiny_pixel_flow
+
+        build_tiny_pixel_flow(paths["model"], seed=seed, image_size=16,
+                              corpus=[f'A sign that says "{word}"' for word in OCR_WORDS])
+    return paths
+
+
+def is_flow(recipe: str | Path) -> bool:
+    import yaml
+
+    return (yaml.safe_load(Path(recipe).read_text()) or {}).get("kind") == "flow"
 
 
 def finding_label(name: str) -> str:
@@ -113,9 +141,12 @@ def read_sections(path: Path = OVERRIDES_FILE) -> dict[str, list[str]]:
 
 
 def task_of(recipe: str | Path) -> str:
-    """``math`` for a recipe with a verifier, ``vqa`` for one whose rewards read answers, else ``reports``."""
+    """``ocr`` for a flow-matching recipe, ``math`` for one with a verifier, ``vqa`` for one whose rewards
+    read answers, else ``reports``."""
     from grouprl.config import load_config
 
+    if is_flow(recipe):
+        return "ocr"
     config = load_config(recipe)
     if config.worker.rollout.verifier.enable:
         return "math"
@@ -129,10 +160,13 @@ def overrides(recipe: str | Path, root: str | Path, out: str | Path | None = Non
 
     root = Path(root).resolve()
     out = Path(out) if out is not None else root / "runs" / Path(recipe).stem
-    values = {"@MODEL@": str(root / "model"), "@DATA@": str(root / DATA_FILES[task_of(recipe)]),
+    task = task_of(recipe)
+    values = {"@MODEL@": str(root / MODELS.get(task, "model")), "@DATA@": str(root / DATA_FILES[task]),
               "@OUT@": str(Path(out).resolve())}
-    config = load_config(recipe)
     sections = read_sections()
+    if is_flow(recipe):
+        return [_fill(line, values) for line in sections["flow"]]
+    config = load_config(recipe)
     lines = list(sections["all"])
     if config.worker.reward.reward_server:
         lines += sections["reward_server"]
@@ -140,12 +174,13 @@ def overrides(recipe: str | Path, root: str | Path, out: str | Path | None = Non
         lines += sections["online_filtering"]
     if config.worker.rollout.verifier.enable:
         lines += sections["verifier"]
-    result = []
-    for line in lines:
-        for key, value in values.items():
-            line = line.replace(key, value)
-        result.append(line)
-    return result
+    return [_fill(line, values) for line in lines]
+
+
+def _fill(line: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        line = line.replace(key, value)
+    return line
 
 
 def main(argv: list[str]) -> int:
@@ -153,7 +188,7 @@ def main(argv: list[str]) -> int:
         print("usage: python examples/tiny_setup.py RECIPE ROOT", file=sys.stderr)
         return 2
     recipe, root = argv
-    build(root)
+    build_flow(root) if is_flow(recipe) else build(root)
     print("\n".join(overrides(recipe, root)))
     return 0
 

@@ -67,6 +67,14 @@ def cmd_export(args) -> int:
 def cmd_demo(args) -> int:
     from grouprl.demo import run_demo
 
+    if args.flow:
+        if args.compare or args.guided:
+            print("grouprl demo: --flow, --guided and --compare are separate demos; choose one", file=sys.stderr)
+            return 2
+        from grouprl.diffusion.demo import run_flow_demo
+
+        run_flow_demo(args.out or "runs/demo-flow", quick=args.quick, seed=args.seed)
+        return 0
     if args.guided:
         if args.compare:
             print("grouprl demo: --guided and --compare are separate demos; choose one", file=sys.stderr)
@@ -206,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guided", action="store_true",
                    help="Guided-GRPO's demo: synthetic arithmetic word problems, SFT, then GRPO and Guided-GRPO "
                         "(rule verifier, at most 3 turns) from the same SFT model, compared on held-out problems")
+    p.add_argument("--flow", action="store_true",
+                   help="Flow-GRPO-Fast on a tiny SD3 transformer drawing coloured squares (needs grouprl[diffusion]): "
+                        "pretrain, then RL against a rule reward, compared on held-out prompts")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
 

@@ -177,3 +177,19 @@ def test_bench_gpu_merges_separate_runs(tmp_path, monkeypatch):
     assert vllm["vs_trl"] == pytest.approx(2.7) and vllm["vs_aim"] == pytest.approx(1.5)
     assert vllm["meets_aims"] == {"tokens_per_s": True, "vs_trl": True}
     assert entry["runs"]["grouprl hf"]["meets_aims"] == {"tokens_per_s": False, "vs_trl": False}
+
+
+def test_bench_flow_smoke(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "flow.json"
+    proc = run("bench_flow.py", "--steps", "2", "--prompts", "2", "--n", "2", "--micro-batch", "4", "--size", "8",
+               "--layers", "1", "--repeats", "1", "--reward-call-latency", "0", "--reward-image-latency", "0",
+               "--out", str(out), cwd=tmp_path)
+    assert "Flow-GRPO-Fast / Flow-GRPO" in proc.stdout
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"flow_grpo", "flow_grpo_fast", "flow_grpo_fast+async_reward"}
+    for result in report["results"].values():
+        assert len(result["step_seconds"]) == 2 and all(positive(s) for s in result["step_seconds"])
+        assert result["images_per_s"] == pytest.approx(4 / result["median_step_seconds"])
+    fast, slow = report["results"]["flow_grpo_fast"], report["results"]["flow_grpo"]
+    assert report["ratios"]["fast_vs_flow_grpo"] == pytest.approx(fast["images_per_s"] / slow["images_per_s"])

@@ -3,6 +3,7 @@ step on the tiny model and synthetic data through the overrides examples/run_tin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -75,6 +76,33 @@ EDIT_KEYS = {"extractor": True, "extractor_num_ops_per_para": 1, "extractor_num_
              "extractor_similarity_threshold": 0.6, "extractor_type": "rules"}
 
 
+FLOW_COMMON = {  # MM-GRPO's run_sd3.sh / run_sd3_fast.sh
+    "worker.actor.model.lora.rank": 32, "worker.actor.model.lora.alpha": 64, "worker.rollout.n": 16,
+    "data.rollout_batch_size": 64, "worker.rollout.height": 512, "worker.rollout.num_steps": 10,
+    "worker.actor.optim.weight_decay": 1e-4, "trainer.total_epochs": 15, "trainer.val_freq": 5,
+    "trainer.save_freq": 100, "data.val_max_samples": 256, "worker.actor.num_minibatches": 2,
+}
+EXPECTED["flow_grpo_sd35m_ocr.yaml"] = {
+    **FLOW_COMMON, "algorithm.name": "flow_grpo", "worker.actor.optim.lr": 3e-4, "algorithm.kl_coef": 0.04,
+    "worker.rollout.guidance_scale": 4.5, "worker.rollout.noise_level": 0.7, "worker.rollout.kind": "sde",
+    "algorithm.clip_range": 1e-4,
+}
+EXPECTED["flow_grpo_fast_sd35m_ocr.yaml"] = {
+    **FLOW_COMMON, "algorithm.name": "flow_grpo_fast", "worker.actor.optim.lr": 1e-4, "algorithm.kl_coef": 0.0,
+    "worker.rollout.guidance_scale": 1.0, "worker.rollout.noise_level": 0.8, "worker.rollout.kind": "cps",
+    "worker.rollout.sde_window_size": 3, "worker.rollout.sde_window_range": [0, 5], "algorithm.clip_range": 1e-5,
+}
+
+
+def load_recipe(path):
+    """A recipe's config, read with the flow trainer's schema when it says `kind: flow`."""
+    if tiny_setup.is_flow(path):
+        from grouprl.diffusion.config import load_flow_config
+
+        return load_flow_config(path)
+    return load_config(path)
+
+
 def _get(config, dotted: str):
     node = config
     for part in dotted.split("."):
@@ -88,7 +116,7 @@ def test_every_recipe_is_checked():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_loads_with_the_seed_settings(recipe):
-    config = load_config(EXAMPLES / recipe)  # unknown keys or bad values would raise here
+    config = load_recipe(EXAMPLES / recipe)  # unknown keys or bad values would raise here
     for key, value in EXPECTED[recipe].items():
         assert _get(config, key) == value, key
 
@@ -158,11 +186,23 @@ def test_overrides_follow_the_recipe(tiny_root):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_one_tiny_step(recipe, tiny_root, tmp_path):
     out = tmp_path / "run"
+    if tiny_setup.is_flow(EXAMPLES / recipe):
+        tiny_setup.build_flow(tiny_root)
     overrides = tiny_setup.overrides(EXAMPLES / recipe, tiny_root, out)
     assert main(["train", str(EXAMPLES / recipe), *overrides, "trainer.max_steps=1"]) == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1]
     step = metrics[0]
+    if tiny_setup.is_flow(EXAMPLES / recipe):
+        # the recipe's algorithm, sampler and reward reached the run; the update ran
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+        recipe_config = load_recipe(EXAMPLES / recipe)
+        assert saved["algorithm"] == dataclasses.asdict(recipe_config.algorithm)
+        for key in ("kind", "noise_level", "guidance_scale", "sde_window_size", "sde_window_range"):
+            assert saved["worker"]["rollout"][key] == getattr(recipe_config.worker.rollout, key)
+        assert "rewards/ocr/mean" in step and "actor/pg_loss" in step and "actor/grad_norm" in step
+        assert ("actor/kl_loss" in step) == (recipe_config.algorithm.kl_coef > 0)
+        return
     assert step["actor/skipped_step"] == 0 and "actor/pg_loss" in step  # the update ran
     saved = yaml.safe_load((out / "config.yaml").read_text())
     recipe_config = load_config(EXAMPLES / recipe)

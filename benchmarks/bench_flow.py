@@ -1,0 +1,158 @@
+"""Flow trainer throughput: images per second per process, and what async reward buys, in one run.
+
+Trains the same tiny pixel-space SD3 transformer on the same prompts with
+Flow-GRPO (every step an SDE step, 9 of 10 trained), Flow-GRPO-Fast (a window of 2
+trained steps) and Flow-GRPO-Fast with ``trainer.async_mode: async_reward``, each in
+its own subprocess, with an image reward that waits a fixed time per call plus a
+time per image (like a VLM judge or an OCR server) on top of its cheap work. Reports
+the median images per second per process over ``--repeats`` runs of each
+configuration (alternating order; each run's first step, which starts up, left out)
+and the ratios: Fast over Flow-GRPO, and async reward over sync.
+
+    python benchmarks/bench_flow.py                          # CPU, a few minutes
+    python benchmarks/bench_flow.py --size 64 --layers 8     # a larger stand-in
+    python benchmarks/bench_flow.py --device cuda            # on a GPU (absolute figures there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNS = {  # name -> (algorithm, async mode)
+    "flow_grpo": ("flow_grpo", "sync"),
+    "flow_grpo_fast": ("flow_grpo_fast", "sync"),
+    "flow_grpo_fast+async_reward": ("flow_grpo_fast", "async_reward"),
+}
+
+REWARD = '''
+import os
+import time
+
+import numpy as np
+
+PER_CALL = float(os.environ["BENCH_REWARD_CALL_LATENCY"])
+PER_IMAGE = float(os.environ["BENCH_REWARD_IMAGE_LATENCY"])
+
+
+def slow_red(images, prompts, **metadata):
+    time.sleep(PER_CALL + PER_IMAGE * len(images))  # a round trip to a judge server, say
+    return [float(np.asarray(im, dtype=np.float32)[..., 0].mean() / 255) for im in images]
+'''
+
+
+def child(root: Path, name: str, args) -> dict:
+    from grouprl.diffusion.config import flow_config_from_dict
+    from grouprl.diffusion.trainer import FlowGRPOTrainer
+
+    algorithm, mode = RUNS[name]
+    config = flow_config_from_dict({
+        "kind": "flow",
+        "data": {"train_files": [str(root / "prompts.jsonl")], "rollout_batch_size": args.prompts},
+        "algorithm": {"name": algorithm, "kl_coef": args.kl, "clip_range": 1e-3},
+        "worker": {
+            "actor": {"model": {"model_path": str(root / "model"), "lora": {"rank": 16, "alpha": 16}},
+                      "micro_batch_size": args.micro_batch},
+            "rollout": {"n": args.n, "num_steps": 10, "height": args.size, "width": args.size, "guidance_scale": 1.0,
+                        "micro_batch_size": args.micro_batch, "sde_window_size": 2, "sde_window_range": [0, 10]},
+            "reward": {"functions": [{"name": f"{root / 'reward.py'}:slow_red"}]},
+        },
+        "trainer": {"max_steps": args.steps, "logger": [], "device": args.device, "save_freq": 10_000,
+                    "log_rollouts": False, "output_dir": str(root / f"run_{name}"), "async_mode": mode},
+    })
+    trainer = FlowGRPOTrainer(config)
+    times = []
+    original = trainer.step
+
+    def timed(step):
+        t0 = time.perf_counter()
+        out = original(step)
+        if args.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        return out
+
+    trainer.step = timed
+    trainer.train()
+    return {"step_seconds": times, "images_per_step": args.prompts * args.n}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8, help="images per sampler call and per update micro-batch")
+    parser.add_argument("--size", type=int, default=16, help="image side in pixels (pixel-space model)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kl", type=float, default=0.0, help="KL coefficient (adds a reference pass)")
+    parser.add_argument("--reward-call-latency", type=float, default=0.05, help="seconds each reward call waits")
+    parser.add_argument("--reward-image-latency", type=float, default=0.01, help="seconds per image scored")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, in alternating order")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._child:
+        print("RESULT " + json.dumps(child(Path(args._child[0]), args._child[1], args)))
+        return
+
+    from grouprl.diffusion.shapes import make_prompts
+    from grouprl.diffusion.tiny import build_tiny_pixel_flow
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prompts = make_prompts(64, 0, "train")
+        (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        (root / "reward.py").write_text(REWARD)
+        build_tiny_pixel_flow(root / "model", image_size=args.size, num_layers=args.layers)
+        env = {**os.environ, "BENCH_REWARD_CALL_LATENCY": str(args.reward_call_latency),
+               "BENCH_REWARD_IMAGE_LATENCY": str(args.reward_image_latency)}
+        names = list(RUNS)
+        for repeat in range(args.repeats):
+            # the order alternates, so that no configuration always runs on a warmer (or busier) machine
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                cmd = [sys.executable, __file__, "--_child", str(root), name]
+                for flag in ("steps", "prompts", "n", "micro_batch", "size", "layers", "kl", "device"):
+                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if proc.returncode or line is None:
+                    sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+                run = json.loads(line[len("RESULT "):])
+                results.setdefault(name, {"runs": []})["runs"].append(run["step_seconds"])
+
+    images = args.prompts * args.n
+    print(f"\n{args.steps} steps of {args.prompts} prompts x {args.n} images, {args.size}x{args.size} px, 10 denoising "
+          f"steps, {args.device}; reward latency {args.reward_call_latency} s per call + "
+          f"{args.reward_image_latency} s per image\n")
+    print(f"{'configuration':<30} {'median s/step':>14} {'images/s/process':>17}")
+    for name in RUNS:
+        r = results[name]
+        steady = sorted(t for run in r["runs"] for t in (run[1:] or run))  # the first step starts up
+        r["step_seconds"] = r["runs"][0]
+        r["median_step_seconds"] = steady[len(steady) // 2]
+        r["images_per_s"] = images / r["median_step_seconds"]
+        print(f"{name:<30} {r['median_step_seconds']:>14.3f} {r['images_per_s']:>17.2f}")
+    ratios = {
+        "fast_vs_flow_grpo": results["flow_grpo_fast"]["images_per_s"] / results["flow_grpo"]["images_per_s"],
+        "async_reward_vs_sync": (results["flow_grpo_fast+async_reward"]["images_per_s"]
+                                 / results["flow_grpo_fast"]["images_per_s"]),
+    }
+    print(f"\nFlow-GRPO-Fast / Flow-GRPO: {ratios['fast_vs_flow_grpo']:.2f}x; "
+          f"async reward / sync (Fast): {ratios['async_reward_vs_sync']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

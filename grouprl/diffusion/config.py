@@ -1,0 +1,186 @@
+"""The flow trainer's configuration: the language trainer's shape (data, algorithm, worker, trainer).
+
+A YAML file with ``kind: flow`` at the top level is read with this schema by
+``grouprl train``. The sections and names follow the language side where the idea is
+the same (``worker.actor.optim``, ``worker.actor.model.lora``, ``worker.rollout.n``,
+``worker.reward.functions``, the whole ``trainer`` section) and MM-GRPO / Flow-GRPO's
+names where it is new (``noise_level``, ``timestep_fraction``, ``clip_range``,
+``sde_window_size``, ``sde_window_range``, ``guidance_scale``).
+
+Algorithms (``algorithm.name``):
+
+- ``flow_grpo``: every step of the rollout is an SDE step; the first
+  ``timestep_fraction`` of them are trained (Flow-GRPO).
+- ``flow_grpo_fast``: ODE steps except a random window of ``sde_window_size`` SDE
+  steps per rollout batch; only the window is stored and trained (Flow-GRPO-Fast).
+- ``grpo_guard``: Flow-GRPO with GRPO-Guard's ratio normalisation (RatioNorm with the
+  rollout's stored means) and the 1/|dt| gradient reweighting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grouprl.config import (
+    ConfigError,
+    LoraConfig,
+    OptimConfig,
+    RewardFunctionConfig,
+    TrainerConfig,
+    _choices,
+    build_config,
+    read_config_values,
+)
+
+FLOW_ALGORITHMS = ("flow_grpo", "flow_grpo_fast", "grpo_guard")
+
+
+@dataclass
+class FlowDataConfig:
+    # JSON lines, one prompt per record: {"prompt": "...", <metadata columns passed to the rewards>}
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    rollout_batch_size: int = 4  # prompts per training step (each sampled worker.rollout.n times)
+    val_batch_size: int = 16  # prompts per validation sampler call
+    max_samples: int | None = None
+    val_max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class FlowAlgorithmConfig:
+    name: str = field(default="flow_grpo", metadata=_choices(*FLOW_ALGORITHMS))
+    # A = (R - mean of the group) / (std + 1e-4): std over the whole batch (Flow-GRPO's default) or per group
+    global_std: bool = True
+    adv_clip_max: float = 5.0
+    kl_coef: float = 0.04  # beta of the KL to the reference (the policy with LoRA off); 0 = no reference pass
+    # PPO clip range of the per-step ratio. log p averages over every latent element, so
+    # ratios stay very near 1 and the range must be tiny: Flow-GRPO 1e-4, Fast 1e-5, Guard
+    # 2e-6 at SD3.5-M's 65k elements; a small model needs a larger one.
+    clip_range: float = 1e-4
+    timestep_fraction: float = 0.99  # flow_grpo / grpo_guard: train the first 99% of the steps (0..8 of 10)
+
+
+@dataclass
+class FlowModelConfig:
+    model_path: str | None = None  # a local diffusers directory (StableDiffusion3Pipeline, or grouprl's tiny pixel model)
+    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=32, alpha=64, target_modules=["attention"]))
+
+
+@dataclass
+class FlowActorConfig:
+    model: FlowModelConfig = field(default_factory=FlowModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=1e-4))
+    micro_batch_size: int = 8  # (sample, step) rows per forward/backward
+    num_minibatches: int = 1  # optimizer steps per pass over a training step's rows
+    ppo_epochs: int = 1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class FlowRolloutConfig:
+    n: int = 8  # images per prompt (the group)
+    num_steps: int = 10  # denoising steps of a training rollout
+    guidance_scale: float = 4.5  # classifier-free guidance, in rollout and in the log-prob; 1 = none
+    noise_level: float = 0.7  # a of the SDE; 0 = the ODE
+    kind: str = field(default="sde", metadata=_choices("sde", "cps"))
+    height: int = 512
+    width: int = 512
+    sde_window_size: int = 2  # flow_grpo_fast
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 10])  # flow_grpo_fast: where the window may start/end
+    micro_batch_size: int = 8  # images per sampler call
+    val_num_steps: int = 40  # validation: ODE (no noise) with more steps
+    val_guidance_scale: float | None = None  # None: guidance_scale
+    val_seed: int = 0  # validation noise: the same images every time for the same weights
+    val_images_to_log: int = 16  # images in the validation grid PNG
+
+
+@dataclass
+class FlowRewardConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    # MM-GRPO's data.val_reward_fn: scored at validation instead of `functions` when set
+    val_functions: list[RewardFunctionConfig] = field(default_factory=list)
+
+
+@dataclass
+class FlowWorkerConfig:
+    actor: FlowActorConfig = field(default_factory=FlowActorConfig)
+    rollout: FlowRolloutConfig = field(default_factory=FlowRolloutConfig)
+    reward: FlowRewardConfig = field(default_factory=FlowRewardConfig)
+
+
+@dataclass
+class FlowConfig:
+    kind: str = field(default="flow", metadata=_choices("flow"))
+    data: FlowDataConfig = field(default_factory=FlowDataConfig)
+    algorithm: FlowAlgorithmConfig = field(default_factory=FlowAlgorithmConfig)
+    worker: FlowWorkerConfig = field(default_factory=FlowWorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir or Path("runs") / self.trainer.experiment_name)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.trainer.save_checkpoint_path or self.run_dir / "checkpoints")
+
+
+def is_flow_config(values: dict) -> bool:
+    """Whether a config file's values are a flow trainer's (``kind: flow`` at the top level)."""
+    return isinstance(values, dict) and values.get("kind") == "flow"
+
+
+def flow_config_from_dict(values: dict) -> FlowConfig:
+    config = build_config(FlowConfig, values)
+    validate_flow(config)
+    return config
+
+
+def load_flow_config(path=None, overrides: list[str] | None = None, base: dict | None = None) -> FlowConfig:
+    values = read_config_values(path, overrides, {"kind": "flow", **(base or {})})
+    return flow_config_from_dict(values)
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
+
+
+def validate_flow(config: FlowConfig) -> None:
+    """Checks that need more than one field."""
+    algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
+    for key, value in (("data.rollout_batch_size", config.data.rollout_batch_size), ("worker.rollout.n", rollout.n),
+                       ("worker.rollout.num_steps", rollout.num_steps), ("worker.rollout.height", rollout.height),
+                       ("worker.rollout.width", rollout.width), ("worker.rollout.micro_batch_size", rollout.micro_batch_size),
+                       ("worker.rollout.val_num_steps", rollout.val_num_steps),
+                       ("worker.actor.micro_batch_size", actor.micro_batch_size),
+                       ("worker.actor.num_minibatches", actor.num_minibatches), ("worker.actor.ppo_epochs", actor.ppo_epochs),
+                       ("algorithm.clip_range", algo.clip_range), ("worker.rollout.guidance_scale", rollout.guidance_scale)):
+        _positive(key, value)
+    _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
+    _positive("worker.rollout.noise_level", rollout.noise_level, allow_zero=True)
+    if rollout.n < 2:
+        raise ConfigError(f"config key 'worker.rollout.n' must be >= 2 for group-relative advantages; got {rollout.n}")
+    if rollout.noise_level == 0:
+        raise ConfigError("config key 'worker.rollout.noise_level' is 0: training needs SDE steps to score "
+                          "(0 is the ODE, used for validation)")
+    if not 0 < algo.timestep_fraction <= 1:
+        raise ConfigError(f"config key 'algorithm.timestep_fraction' must be in (0, 1]; got {algo.timestep_fraction}")
+    if algo.name == "flow_grpo_fast":
+        window, bounds = rollout.sde_window_size, rollout.sde_window_range
+        if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1] <= rollout.num_steps:
+            raise ConfigError(f"config key 'worker.rollout.sde_window_range' must be [start, end] with 0 <= start < "
+                              f"end <= worker.rollout.num_steps ({rollout.num_steps}); got {bounds}")
+        if not 1 <= window <= bounds[1] - bounds[0]:
+            raise ConfigError(f"config key 'worker.rollout.sde_window_size' must be between 1 and the range's "
+                              f"length ({bounds[1] - bounds[0]}); got {window}")
+    if actor.model.lora.rank <= 0:
+        raise ConfigError("config key 'worker.actor.model.lora.rank' must be > 0: the flow trainer trains LoRA "
+                          "adapters (the reference model is the policy with them off)")
+    if not config.worker.reward.functions:
+        raise ConfigError("config key 'worker.reward.functions' is empty: name at least one image reward")
