@@ -130,6 +130,15 @@ class FlowConfig:
         return Path(self.trainer.save_checkpoint_path or self.run_dir / "checkpoints")
 
 
+def require_diffusers() -> None:
+    """Fail with the extra to install when diffusers is missing (the sampling math itself needs only torch)."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("the flow trainer and `grouprl demo --flow` need diffusers: "
+                          "pip install 'grouprl[diffusion]'") from exc
+
+
 def is_flow_config(values: dict) -> bool:
     """Whether a config file's values are a flow trainer's (``kind: flow`` at the top level)."""
     return isinstance(values, dict) and values.get("kind") == "flow"

@@ -102,6 +102,9 @@ def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, se
     from rich.console import Console
     from rich.table import Table
 
+    from grouprl.diffusion.config import require_diffusers
+
+    require_diffusers()
     from grouprl.diffusion import shapes
     from grouprl.diffusion.config import flow_config_from_dict
     from grouprl.diffusion.images import save_grid

@@ -152,6 +152,9 @@ class FlowGRPOTrainer:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
+        from grouprl.diffusion.config import require_diffusers
+
+        require_diffusers()
         from grouprl.diffusion.models import load_flow_model
         from grouprl.diffusion.rewards import ImageRewardSet
         from grouprl.trainer.policy import build_scheduler
