@@ -434,13 +434,10 @@ class SFTConfig:
     lr: float | None = None  # None: worker.actor.optim.lr
 
 
-@dataclass
-class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+class RunPaths:
+    """Where a run writes, read from its ``trainer`` section (the language and the flow trainer's configs)."""
+
+    trainer: TrainerConfig
 
     @property
     def run_dir(self) -> Path:
@@ -449,6 +446,15 @@ class Config:
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.trainer.save_checkpoint_path or self.run_dir / "checkpoints")
+
+
+@dataclass
+class Config(RunPaths):
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 # ---------------------------------------------------------------------------- building

@@ -20,13 +20,12 @@ Algorithms (``algorithm.name``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-
 from grouprl.config import (
     ConfigError,
     LoraConfig,
     OptimConfig,
     RewardFunctionConfig,
+    RunPaths,
     TrainerConfig,
     _choices,
     build_config,
@@ -114,20 +113,12 @@ class FlowWorkerConfig:
 
 
 @dataclass
-class FlowConfig:
+class FlowConfig(RunPaths):
     kind: str = field(default="flow", metadata=_choices("flow"))
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
     algorithm: FlowAlgorithmConfig = field(default_factory=FlowAlgorithmConfig)
     worker: FlowWorkerConfig = field(default_factory=FlowWorkerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.trainer.output_dir or Path("runs") / self.trainer.experiment_name)
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.trainer.save_checkpoint_path or self.run_dir / "checkpoints")
 
 
 def require_diffusers() -> None:
