@@ -1,13 +1,14 @@
-"""Flow trainer throughput: images per second per process, and what async reward buys, in one run.
+"""Flow trainer throughput: images per second per process, and what async reward and one-step-off buy, in one run.
 
 Trains the same tiny pixel-space SD3 transformer on the same prompts with
 Flow-GRPO (every step an SDE step, 9 of 10 trained), Flow-GRPO-Fast (a window of 2
-trained steps) and Flow-GRPO-Fast with ``trainer.async_mode: async_reward``, each in
-its own subprocess, with an image reward that waits a fixed time per call plus a
+trained steps), Flow-GRPO-Fast with ``trainer.async_mode: async_reward`` and with
+``one_step_off`` (the next step's rollout sampled and scored while this step
+trains), each in its own subprocess, with an image reward that waits a fixed time per call plus a
 time per image (like a VLM judge or an OCR server) on top of its cheap work. Reports
 the median images per second per process over ``--repeats`` runs of each
 configuration (alternating order; each run's first step, which starts up, left out)
-and the ratios: Fast over Flow-GRPO, and async reward over sync.
+and the ratios: Fast over Flow-GRPO, async reward over sync and one-step-off over sync.
 
     python benchmarks/bench_flow.py                          # CPU, a few minutes
     python benchmarks/bench_flow.py --size 64 --layers 8     # a larger stand-in
@@ -29,6 +30,7 @@ RUNS = {  # name -> (algorithm, async mode)
     "flow_grpo": ("flow_grpo", "sync"),
     "flow_grpo_fast": ("flow_grpo_fast", "sync"),
     "flow_grpo_fast+async_reward": ("flow_grpo_fast", "async_reward"),
+    "flow_grpo_fast+one_step_off": ("flow_grpo_fast", "one_step_off"),
 }
 
 REWARD = '''
@@ -147,9 +149,12 @@ def main() -> None:
         "fast_vs_flow_grpo": results["flow_grpo_fast"]["images_per_s"] / results["flow_grpo"]["images_per_s"],
         "async_reward_vs_sync": (results["flow_grpo_fast+async_reward"]["images_per_s"]
                                  / results["flow_grpo_fast"]["images_per_s"]),
+        "one_step_off_vs_sync": (results["flow_grpo_fast+one_step_off"]["images_per_s"]
+                                 / results["flow_grpo_fast"]["images_per_s"]),
     }
     print(f"\nFlow-GRPO-Fast / Flow-GRPO: {ratios['fast_vs_flow_grpo']:.2f}x; "
-          f"async reward / sync (Fast): {ratios['async_reward_vs_sync']:.2f}x")
+          f"async reward / sync (Fast): {ratios['async_reward_vs_sync']:.2f}x; "
+          f"one-step-off / sync (Fast): {ratios['one_step_off_vs_sync']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results, "ratios": ratios}, indent=2))
 

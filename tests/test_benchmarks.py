@@ -187,9 +187,12 @@ def test_bench_flow_smoke(tmp_path):
                "--out", str(out), cwd=tmp_path)
     assert "Flow-GRPO-Fast / Flow-GRPO" in proc.stdout
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"flow_grpo", "flow_grpo_fast", "flow_grpo_fast+async_reward"}
+    assert set(report["results"]) == {"flow_grpo", "flow_grpo_fast", "flow_grpo_fast+async_reward",
+                                      "flow_grpo_fast+one_step_off"}
     for result in report["results"].values():
         assert len(result["step_seconds"]) == 2 and all(positive(s) for s in result["step_seconds"])
         assert result["images_per_s"] == pytest.approx(4 / result["median_step_seconds"])
     fast, slow = report["results"]["flow_grpo_fast"], report["results"]["flow_grpo"]
     assert report["ratios"]["fast_vs_flow_grpo"] == pytest.approx(fast["images_per_s"] / slow["images_per_s"])
+    off = report["results"]["flow_grpo_fast+one_step_off"]
+    assert report["ratios"]["one_step_off_vs_sync"] == pytest.approx(off["images_per_s"] / fast["images_per_s"])

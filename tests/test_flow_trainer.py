@@ -4,6 +4,7 @@ GRPO-Guard, checkpoints and exact resume, async reward, validation grids, the co
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -139,6 +140,82 @@ def test_async_reward_gives_the_sync_result(tiny_flow, prompts, tmp_path):
         runs[mode] = lora_state(trainer)
         assert "timing/reward_wait_s" in metrics_of(tmp_path / mode)[0]
     assert all(torch.equal(runs["sync"][k], runs["async_reward"][k]) for k in runs["sync"])
+
+
+def test_one_step_off_samples_the_next_batch_during_the_update(tiny_flow, prompts, tmp_path, monkeypatch):
+    import grouprl.diffusion.trainer as flow_trainer
+
+    trainer = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "run", **{
+        "trainer.async_mode": "one_step_off", "trainer.max_steps": 3, "worker.actor.num_minibatches": 1,
+        "algorithm.kl_coef": 0.0}))
+    assert trainer.sampler is not trainer.policy
+    progress = threading.Condition()
+    updates, background, first_ratio = [], [], {}
+    optimizer_step = trainer.optimizer.step
+
+    def noting_step(*args, **kwargs):
+        with progress:
+            updates.append(1)  # one optimizer step per training step here
+            progress.notify_all()
+        return optimizer_step(*args, **kwargs)
+
+    real_sample = flow_trainer.sample
+
+    def watched_sample(model, *args, **kwargs):
+        if threading.current_thread().name.startswith("grouprl-flow-rollout"):
+            assert model is trainer.sampler
+            background.append(1)
+            if len(background) % 3 == 1:  # the first of the 3 micro-batches of background rollout j
+                j = (len(background) + 2) // 3
+                with progress:  # sampling for step j + 1 goes on only once step j's update is under way
+                    assert progress.wait_for(lambda: len(updates) >= j, 60), \
+                        f"the rollout for step {j + 1} finished before step {j}'s update began"
+        return real_sample(model, *args, **kwargs)
+
+    real_loss = trainer._loss_fn
+
+    def noting_loss(part, log_prob, aux, norms, metrics):
+        # the first micro-batch of each update runs at the weights the old log-probs came from
+        first_ratio.setdefault(len(updates) + 1, float((log_prob.detach()[:, 0] - part.old_log_prob).abs().max()))
+        return real_loss(part, log_prob, aux, norms, metrics)
+
+    monkeypatch.setattr(flow_trainer, "sample", watched_sample)
+    trainer.optimizer.step = noting_step
+    trainer._loss_fn = noting_loss
+    before = lora_state(trainer)
+    trainer.train()
+    assert len(background) == 6  # steps 2 and 3 sampled in the worker, 3 micro-batches each
+    train = [m for m in metrics_of(tmp_path / "run") if "reward/mean" in m]
+    assert [m["async/staleness_steps"] for m in train] == [0.0, 1.0, 1.0]
+    # stale rows were sampled one update earlier, and their old log-probs were recomputed
+    assert all(m["async/behaviour_log_ratio_abs"] > 0 for m in train[1:])
+    assert all(first_ratio[step] < 1e-5 for step in (1, 2, 3)), first_ratio
+    assert any(not torch.equal(before[k], v) for k, v in lora_state(trainer).items())
+
+
+def test_one_step_off_resumes_at_the_right_prompts(tiny_flow, prompts, tmp_path):
+    """The next batch is drawn before a checkpoint is written: the checkpoint still records the trained position."""
+    extra = {"trainer.async_mode": "one_step_off", "trainer.max_steps": 3, "data.rollout_batch_size": 1}
+    FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "full", **extra)).train()
+    killed = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut", **extra, **{"trainer.save_freq": 2}))
+    original = killed.step
+
+    def dying(step):
+        if step == 3:
+            raise KeyboardInterrupt("killed")
+        return original(step)
+
+    killed.step = dying
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut", **extra,
+                                **{"trainer.save_freq": 2, "trainer.resume": "auto"})).train()
+
+    def prompts_of(run, step):
+        return sorted({r["prompt"] for line in (run / "rollouts.jsonl").read_text().splitlines()
+                       for r in [json.loads(line)] if r["step"] == step})
+
+    assert prompts_of(tmp_path / "cut", 3) == prompts_of(tmp_path / "full", 3)
 
 
 def test_train_command_reads_a_flow_config(tiny_flow, prompts, tmp_path):

@@ -10,6 +10,10 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
    mean;
 3. score the images with the image rewards (``rewards.score_images``); with
    ``trainer.async_mode: async_reward`` micro-batch k is scored while k+1 samples;
+   with ``one_step_off`` steps 1-3 of step k+1 run in a worker thread, on a copy of
+   the weights from before step k's update, while step k trains (the old log-probs
+   and means of such a one-update-stale batch are recomputed with the current weights
+   before the update, so the clip acts around them; the staleness is logged);
 4. advantages per group, std over the whole batch or per group, clipped
    (``objectives.group_advantages``); every trained step of an image gets its advantage;
 5. with a KL term, the reference means (the policy with LoRA off) of every trained step;
@@ -165,9 +169,6 @@ class FlowGRPOTrainer:
         self.accelerator = Accelerator(cpu=t.device == "cpu")
         if t.device == "cuda" and self.accelerator.device.type != "cuda":
             raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
-        if t.async_mode == "one_step_off":
-            raise ConfigError("config key 'trainer.async_mode': one_step_off is not available for the flow trainer "
-                              "yet; use sync or async_reward")
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
         self.run_dir = config.run_dir
@@ -178,6 +179,8 @@ class FlowGRPOTrainer:
         self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device)
         self.policy = self._add_lora(self.model.transformer)
         self.train_model = self.accelerator.prepare(self.policy)
+        # one_step_off samples while the policy trains: sampling needs weights of its own
+        self.sampler = self._frozen_copy(self.policy) if t.async_mode == "one_step_off" else self.policy
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=actor.optim.lr, betas=tuple(actor.optim.betas),
                                            weight_decay=actor.optim.weight_decay)
@@ -195,6 +198,9 @@ class FlowGRPOTrainer:
         self.sched = schedule(self.model.scheduler, rollout.num_steps)
         self.state = ckpt.TrainerState()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-image-reward")
+        self._background: ThreadPoolExecutor | None = None  # one_step_off: the rollout worker
+        self._pending = None  # one_step_off: (step, future of that step's rollout and metrics)
+        self._consumed_stream = self.stream.state()  # the data position after the last batch trained on
 
     def _add_lora(self, transformer):
         from peft import LoraConfig, get_peft_model
@@ -211,6 +217,22 @@ class FlowGRPOTrainer:
             if p.requires_grad:
                 p.data = p.data.to(self.precision.param_dtype)
         return model
+
+    @staticmethod
+    def _frozen_copy(policy):
+        import copy
+
+        sampler = copy.deepcopy(policy).eval()
+        sampler.requires_grad_(False)
+        return sampler
+
+    @torch.no_grad()
+    def _sync_sampler(self) -> None:
+        """Copy the policy's adapter weights into the sampler (the base weights never change)."""
+        trained = {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
+        for name, p in self.sampler.named_parameters():
+            if name in trained:
+                p.copy_(trained[name])
 
     # ------------------------------------------------------------------ rollout
 
@@ -235,9 +257,13 @@ class FlowGRPOTrainer:
         result = rewards.score(images, prompts, metadata)
         return {**result.components, "total": list(result.total)}
 
-    def rollout(self, records: list[dict], step: int, metrics: StepMetrics):
-        """Sample n images per record and score them; returns (trajectories, text, scores, prompts)."""
+    def rollout(self, records: list[dict], step: int, metrics: StepMetrics, model=None):
+        """Sample n images per record with ``model`` (the policy by default) and score them.
+
+        Returns (trajectories, text, scores, prompts, stored steps).
+        """
         config, rollout = self.config, self.config.worker.rollout
+        model = self.policy if model is None else model
         # one generator per step and process: a resumed run draws the same noise
         seed = np.random.SeedSequence([config.trainer.seed, step, self.accelerator.process_index]).generate_state(1)[0]
         generator = torch.Generator().manual_seed(int(seed))
@@ -254,7 +280,7 @@ class FlowGRPOTrainer:
         for start in range(0, len(prompts), rollout.micro_batch_size):
             rows = list(range(start, min(start + rollout.micro_batch_size, len(prompts))))
             s0 = time.perf_counter()
-            traj = sample(self.policy, text.select(rows), self._noise(len(rows), generator), self.sched,
+            traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
                           guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level, kind=rollout.kind,
                           sde_steps=sde_steps, store=store, generator=generator)
             sample_s += time.perf_counter() - s0
@@ -272,6 +298,43 @@ class FlowGRPOTrainer:
         metrics.mean("timing/rollout_s", time.perf_counter() - t0)
         scores = {name: [v for part in scored for v in part[name]] for name in scored[0]}
         return parts, text, scores, prompts, store
+
+    def _next_rollout(self, step: int, metrics: StepMetrics):
+        """This step's rollout, and whether it was sampled before the last update (one_step_off).
+
+        In one_step_off mode the rollout of step k+1 (prompts drawn here, in order) is
+        sampled and scored in a worker thread by the sampler, a copy of the weights from
+        before step k's update, while step k trains; the first step, and the first after
+        a resume, sample in line.
+        """
+        if self.config.trainer.async_mode != "one_step_off":
+            records = self.stream.next_batch()
+            self._consumed_stream = self.stream.state()
+            return self.rollout(records, step, metrics), False
+        stale = self._pending is not None and self._pending[0] == step
+        if stale:
+            t0 = time.perf_counter()
+            out, rollout_metrics = self._pending[1].result()
+            metrics.mean("timing/rollout_wait_s", time.perf_counter() - t0)
+            metrics.merge(rollout_metrics)
+        else:
+            records = self.stream.next_batch()
+            out = self.rollout(records, step, metrics)
+        self._pending = None
+        metrics.mean("async/staleness_steps", float(stale))
+        # what a checkpoint after this step records: the next batch is drawn below
+        self._consumed_stream = self.stream.state()
+        if step < self.total_steps:
+            self._sync_sampler()  # the sampler is idle: its last rollout was collected above
+            if self._background is None:
+                self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-flow-rollout")
+            records = self.stream.next_batch()
+            self._pending = (step + 1, self._background.submit(self._rollout_in_background, records, step + 1))
+        return out, stale
+
+    def _rollout_in_background(self, records: list[dict], step: int):
+        metrics = StepMetrics()
+        return self.rollout(records, step, metrics, model=self.sampler), metrics
 
     # ------------------------------------------------------------------ update
 
@@ -323,16 +386,49 @@ class FlowGRPOTrainer:
                 out.append(mean.float())
         return torch.cat(out)
 
+    def _advantages(self, total: torch.Tensor) -> torch.Tensor:
+        """This process's advantages; the std of ``global_std`` is that of every process's batch.
+
+        Each process holds whole groups (n images of each of its prompts), so only the
+        global std needs the other processes' rewards, as Flow-GRPO gathers them.
+        """
+        algo, n = self.config.algorithm, self.config.worker.rollout.n
+        world = self.accelerator.num_processes
+        if world == 1 or not algo.global_std:
+            return group_advantages(total, n, global_std=algo.global_std, clip=algo.adv_clip_max)
+        everyone = self.accelerator.gather(total.to(self.device)).cpu()  # process-major: groups stay consecutive
+        mine = slice(self.accelerator.process_index * len(total), (self.accelerator.process_index + 1) * len(total))
+        return group_advantages(everyone, n, global_std=True, clip=algo.adv_clip_max)[mine]
+
+    @torch.no_grad()
+    def _recompute_old(self, batch: FlowBatch, metrics: StepMetrics) -> None:
+        """One-update-stale rows: old log-probs and means under the current weights.
+
+        PPO's clip then bounds the move from the weights being updated, as in the
+        synchronous loop, instead of flagging every row of a stale batch as clipped
+        (Flow-GRPO's clip ranges are around 1e-4). The rows' log-ratio between the
+        current weights and the sampler is logged as ``async/behaviour_log_ratio_abs``.
+        """
+        log_probs, means = [], []
+        for rows in torch.arange(len(batch)).split(self.config.worker.actor.micro_batch_size):
+            with self.precision.autocast(self.device):
+                log_prob, (mean, _) = self._log_prob_fn(self.policy, batch.select(rows))
+            log_probs.append(log_prob[:, 0].float())
+            means.append(mean.float())
+        current = torch.cat(log_probs)
+        metrics.mean("async/behaviour_log_ratio_abs", float((current - batch.old_log_prob).abs().mean()),
+                     float(len(batch)))
+        batch.old_log_prob, batch.old_mean = current, torch.cat(means)
+
     def step(self, step: int) -> StepMetrics:
-        config, algo, actor = self.config, self.config.algorithm, self.config.worker.actor
+        algo, actor = self.config.algorithm, self.config.worker.actor
         metrics = StepMetrics()
         t0 = time.perf_counter()
-        records = self.stream.next_batch()
-        parts, text, scores, prompts, store = self.rollout(records, step, metrics)
-        total = torch.tensor(scores["total"], dtype=torch.float32)
-        advantages = group_advantages(total, config.worker.rollout.n, global_std=algo.global_std,
-                                      clip=algo.adv_clip_max)
+        (parts, text, scores, prompts, store), stale = self._next_rollout(step, metrics)
+        advantages = self._advantages(torch.tensor(scores["total"], dtype=torch.float32))
         batch = rows_of(parts, self.sched, advantages, text)
+        if stale:
+            self._recompute_old(batch, metrics)
         if algo.kl_coef > 0:
             batch.ref_mean = self._reference_means(batch)
         # Flow-GRPO shuffles (image, step) rows so each optimizer step mixes steps and images
@@ -418,13 +514,15 @@ class FlowGRPOTrainer:
                                              process_index=self.accelerator.process_index,
                                              num_processes=self.accelerator.num_processes)
         self.stream.load_state(self.state.extra["stream"])
+        self._consumed_stream = self.stream.state()
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
 
     def save(self) -> Path | None:
         from accelerate.utils import gather_object
 
-        self.state.extra["stream"] = self.stream.state()
+        # the position after the last batch trained on (one_step_off has drawn the next already)
+        self.state.extra["stream"] = dict(self._consumed_stream)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
         if self.is_main:
@@ -433,6 +531,12 @@ class FlowGRPOTrainer:
                                         rng_states=rng_states)
         self.accelerator.wait_for_everyone()
         return path
+
+    def run_info(self) -> dict:
+        """How this run is laid out (written to ``run_info.json``): processes, device, precision."""
+        return {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
+                "precision": self.precision.describe(), "async_mode": self.config.trainer.async_mode,
+                "rollout_weights": "copy" if self.sampler is not self.policy else "policy"}
 
     def _reduce(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
         if self.is_main:
@@ -460,6 +564,7 @@ class FlowGRPOTrainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")
+            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
         resume_step = self.state.global_step if self._resume() else None
         self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=redacted(self.config),
                                     project=t.project_name, experiment=t.experiment_name, enabled=self.is_main,
@@ -494,6 +599,8 @@ class FlowGRPOTrainer:
             if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
                 self.save()
         finally:
+            if self._background is not None:
+                self._background.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
             rollouts.close()
             self.logger.close()
