@@ -271,3 +271,20 @@ def test_loggers_without_resume_step_append(tmp_path):
         writer.close()
     assert steps_in(run / "metrics.jsonl") == [1, 1]
     assert steps_in(run / "rollouts.jsonl") == [1, 1]
+
+
+def test_schema_file_records_each_key_kind_once_and_only_on_the_main_process(tmp_path):
+    from grouprl.trainer.metrics import SchemaFile, StepMetrics
+
+    first, second = StepMetrics(), StepMetrics()
+    first.mean("actor/clipfrac", 0.1)
+    first.sum("actor/pg_loss", 0.5)
+    second.moments("reward", [0.0, 1.0])
+    schema = SchemaFile(tmp_path / "metrics_schema.json")
+    schema.record(first)
+    schema.record(second, "val/")
+    assert json.loads((tmp_path / "metrics_schema.json").read_text()) == {
+        "actor/clipfrac": "mean", "actor/pg_loss": "sum", "val/reward": "moments"}
+    off = SchemaFile(tmp_path / "other.json", enabled=False)
+    off.record(first)
+    assert not (tmp_path / "other.json").exists()

@@ -51,7 +51,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from grouprl.rewards.contract import RewardError, RewardResult, RewardSpec
+from grouprl.rewards.contract import RewardError, RewardResult, RewardSpec, reward_keys
 from grouprl.rewards.registry import RewardLoadError, _load_from_file, _load_from_module, _qualified_name
 
 logger = logging.getLogger(__name__)
@@ -247,11 +247,8 @@ class ImageRewardSet:
             _check_signature(spec.name, fn, spec.kwargs)
             bound = functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
             loaded.append((spec.name.strip(), bound, spec.weight, spec.on_error))
-        names = [name for name, *_ in loaded]
-        return cls([
-            ImageReward(f"{name}@{i}" if names.count(name) > 1 else name, fn, weight, on_error)
-            for i, (name, fn, weight, on_error) in enumerate(loaded)
-        ])
+        keys = reward_keys([name for name, *_ in loaded])
+        return cls([ImageReward(key, fn, weight, on_error) for key, (_, fn, weight, on_error) in zip(keys, loaded)])
 
     @property
     def keys(self) -> list[str]:

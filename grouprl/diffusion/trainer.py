@@ -53,7 +53,7 @@ from grouprl.diffusion.pipeline import PromptEmbeddings, Schedule, encode, sampl
 from grouprl.diffusion.sampling import sde_step, sde_window, train_timesteps
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
-from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.precision import precision_policy
 from grouprl.trainer.prompts import PromptStream
 from grouprl.trainer.update import UpdateSettings, run_update
@@ -172,6 +172,7 @@ class FlowGRPOTrainer:
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
         self.run_dir = config.run_dir
+        self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
         # LoRA adapters in fp32 over a base in the model dtype (see trainer.precision)
         self.precision = precision_policy(actor.model.dtype, "adamw", lora=True)
         if not actor.model.model_path:
@@ -504,10 +505,7 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def _resume(self) -> bool:
-        t = self.config.trainer
-        if not t.resume:
-            return False
-        path = ckpt.latest_checkpoint(self.config.checkpoint_dir) if t.resume == "auto" else Path(t.resume)
+        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
         if path is None:
             return False
         self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
@@ -539,13 +537,7 @@ class FlowGRPOTrainer:
                 "rollout_weights": "copy" if self.sampler is not self.policy else "policy"}
 
     def _reduce(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
-        if self.is_main:
-            known = getattr(self, "_schema", {})
-            new = {f"{prefix}{key}": kind for key, kind in metrics.schema if f"{prefix}{key}" not in known}
-            if new:
-                self._schema = {**known, **new}
-                write_text_atomic(self.run_dir / "metrics_schema.json",
-                                  json.dumps(dict(sorted(self._schema.items())), indent=1))
+        self.schema_file.record(metrics, prefix)
         values = metrics.reduce(self.accelerator)
         if "perf/images" in values and values.get("timing/step_s"):
             values["perf/images_per_s"] = values.pop("perf/images") / values["timing/step_s"]

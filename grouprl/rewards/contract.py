@@ -142,6 +142,12 @@ class RewardResult:
         return out
 
 
+def reward_keys(names: Sequence[str]) -> list[str]:
+    """Each reward's key in results: its name, or ``name@i`` (``i`` its position) for a name used
+    more than once, so that two uses of one reward with other options stay apart."""
+    return [f"{name}@{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
 class RewardSet:
     """Several rewards combined with weights; :meth:`score` runs them on a batch."""
 
@@ -173,12 +179,8 @@ class RewardSet:
             _check_signature(spec.name, fn, spec.kwargs)
             bound = functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
             loaded.append((spec.name.strip(), bound, spec.weight, spec))
-        names = [name for name, *_ in loaded]
-        components = [
-            RewardComponent(f"{name}@{i}" if names.count(name) > 1 else name, fn, weight, spec)
-            for i, (name, fn, weight, spec) in enumerate(loaded)
-        ]
-        return cls(components)
+        keys = reward_keys([name for name, *_ in loaded])
+        return cls([RewardComponent(key, fn, weight, spec) for key, (_, fn, weight, spec) in zip(keys, loaded)])
 
     @property
     def keys(self) -> list[str]:

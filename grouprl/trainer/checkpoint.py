@@ -220,6 +220,14 @@ def latest_checkpoint(root: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
+def resume_path(resume: str | None, root: Path) -> Path | None:
+    """The checkpoint ``trainer.resume`` names: "auto" the latest complete one under ``root``
+    (None with nothing saved yet: a fresh start), a path that one, empty or None none."""
+    if not resume:
+        return None
+    return latest_checkpoint(root) if resume == "auto" else Path(resume)
+
+
 def _write_checkpoint(tmp: Path, state: TrainerState, model, optimizer, scheduler, processor,
                       rng_states: list[dict] | None, model_state_dict: dict | None) -> None:
     """Everything into tmp, durably; trainer_state.json last so that its presence means the rest is on disk."""

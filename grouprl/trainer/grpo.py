@@ -29,7 +29,7 @@ from grouprl.config import ActorConfig, Config, ConfigError, redacted, save_conf
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
-from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_named_parameters, full_state_dicts
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompts import PromptStream
@@ -193,6 +193,7 @@ class GRPOTrainer:
         self.model, self.policy, self.processor = trained.model, trained.policy, trained.processor
         self.is_vlm, self.precision, self.sharded = trained.is_vlm, trained.precision, trained.sharded
         self.is_main = self.accelerator.is_main_process
+        self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
         self.uses_lora = actor.model.lora.rank > 0
         self.ref_model = None
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
@@ -767,12 +768,9 @@ class GRPOTrainer:
 
     def _resume(self) -> bool:
         """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
-        t = self.config.trainer
-        if not t.resume:
-            return False
-        path = ckpt.latest_checkpoint(self.config.checkpoint_dir) if t.resume == "auto" else Path(t.resume)
+        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
         if path is None:
-            return False  # "auto" with nothing saved yet: a fresh start
+            return False
         self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
                                              process_index=self.accelerator.process_index,
                                              num_processes=self.accelerator.num_processes)
@@ -807,12 +805,7 @@ class GRPOTrainer:
 
     def _reduce(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
         """Every process's metrics combined; the main process records each key's kind in metrics_schema.json."""
-        if self.is_main:
-            known = getattr(self, "_schema", {})
-            new = {f"{prefix}{key}": kind for key, kind in metrics.schema if f"{prefix}{key}" not in known}
-            if new:
-                self._schema = {**known, **new}
-                write_text_atomic(self.run_dir / "metrics_schema.json", json.dumps(dict(sorted(self._schema.items())), indent=1))
+        self.schema_file.record(metrics, prefix)
         values = metrics.reduce(self.accelerator)
         # rates from totals over all processes and the slowest process's time
         if "perf/tokens" in values and values.get("timing/step_s"):

@@ -20,8 +20,10 @@ Kinds:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -187,3 +189,26 @@ def check_same_schema(schema: list[tuple[str, str]], accelerator) -> None:
         f"processes logged different metrics this step (process {accelerator.process_index} differs); "
         f"keys not logged the same way by every process: {differing[:20]}"
     )
+
+
+class SchemaFile:
+    """``metrics_schema.json``: every key logged so far and how processes combine it.
+
+    Readers of ``metrics.jsonl`` need the kind of each key (a ``sum`` over processes
+    reads differently from a ``mean``); the file is rewritten atomically whenever a
+    step logs a key for the first time. Only the main process writes (``enabled``).
+    """
+
+    def __init__(self, path: Path, *, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self.kinds: dict[str, str] = {}
+
+    def record(self, metrics: StepMetrics, prefix: str = "") -> None:
+        if not self.enabled:
+            return
+        new = {f"{prefix}{key}": kind for key, kind in metrics.schema if f"{prefix}{key}" not in self.kinds}
+        if new:
+            from grouprl.config import write_text_atomic
+
+            self.kinds.update(new)
+            write_text_atomic(self.path, json.dumps(dict(sorted(self.kinds.items())), indent=1))
