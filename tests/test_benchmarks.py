@@ -196,3 +196,53 @@ def test_bench_flow_smoke(tmp_path):
     assert report["ratios"]["fast_vs_flow_grpo"] == pytest.approx(fast["images_per_s"] / slow["images_per_s"])
     off = report["results"]["flow_grpo_fast+one_step_off"]
     assert report["ratios"]["one_step_off_vs_sync"] == pytest.approx(off["images_per_s"] / fast["images_per_s"])
+
+
+def test_bench_clinical_smoke(tmp_path):
+    """Scoring speed, the server under 1 and 2 clients for both request shapes, the split test,
+    and a baseline tree measured beside this one (here: this repository again)."""
+    out = tmp_path / "clinical.json"
+    root = BENCH.parent
+    proc = run("bench_clinical.py", "--reports", "30", "--refs", "3", "--rollouts", "2", "--requests", "2",
+               "--clients", "2", "--workers", "1", "--baseline", str(root), "--out", str(out), cwd=tmp_path)
+    assert "aim < 250" in proc.stdout and "EditGRPO's / grouprl's CPU per pair" in proc.stdout
+    report = json.loads(out.read_text())
+    assert list(report["trees"]) == [root.resolve().name, "this"]
+    assert report["grpo_shape"]["pairs"] == 6 and report["grpo_shape"]["distinct_refs"] == 3
+    for tree in report["trees"].values():
+        assert all(positive(v) for v in tree["scoring"].values())
+        loads = tree["server_workers_1"]
+        assert set(loads) == {"grpo_1_client", "grpo_2_clients", "distinct_1_client", "distinct_2_clients",
+                              "grpo_1_client_editgrpo_keys", "grpo_2_clients_editgrpo_keys"}
+        for name, load in loads.items():
+            clients = 1 if "_1_client" in name else 2
+            assert load["requests"] == 2 * clients and load["clients_per_process"] == [clients]
+            assert 0 < load["p50_ms"] <= load["p99_ms"] <= load["max_ms"] and positive(load["pairs_per_s"])
+            assert load["server_cpu_ms_per_pair"] >= 0 and load["server_cores_used"] >= 0
+    split = report["split"]
+    assert set(split) == {"whole_1_client", "whole_2_clients", "split_1_client", "split_2_clients"}
+    assert all(s["requests"] == (2 if "_1_" in name else 4) for name, s in split.items())
+
+
+def test_bench_clinical_grpo_requests_vary_their_reference(monkeypatch):
+    """GRPO-shaped requests: each reference once per rollout, with responses that are variations of
+    it (sharing most of its sentences), a few verbatim and a few repeated, not unrelated reports."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_clinical", BENCH / "bench_clinical.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hyps, refs = bench.shapes(32, 5, seed=3)["grpo"]
+    assert len(hyps) == 160 and len(set(refs)) == 32
+    assert all(len(set(refs[i:i + 5])) == 1 for i in range(0, 160, 5))  # groups of 5 share their reference
+
+    def sentences(text: str) -> set[str]:
+        return {s for s in bench._SENTENCE_END.split(text) if s}
+
+    shared = [len(sentences(h) & sentences(r)) / len(sentences(r)) for h, r in zip(hyps, refs)]
+    assert sum(shared) / len(shared) > 0.6  # mostly the reference's own sentences
+    verbatim = sum(h == r for h, r in zip(hyps, refs))
+    assert 0 < verbatim < 40
+    repeated = sum(hyps[i] == hyps[i - 1] and refs[i] == refs[i - 1] for i in range(1, 160))
+    assert 8 <= repeated < 40  # about a tenth of the 128 that can repeat, beside chance equalities
+    distinct_hyps, distinct_refs = bench.shapes(32, 5, seed=3)["distinct"]
+    assert len(set(distinct_hyps)) == len(set(distinct_refs)) == 160

@@ -7,12 +7,19 @@ backend that produced it (e.g. ``labeler=rules``), so a score is never passed of
 as coming from a model it did not come from. EditGRPO's reward server names
 (``radgraphf1``, ``cxb14micro``, ``ratescore``, ``cxb_bal_acc``) are component
 names here.
+
+Components that share work (a text's graph, its labels) mark the functions that
+do it :func:`~grouprl.rewards.radiology.batch_parses.batch_cached`: run several
+components inside one ``batch_scope()`` (as :func:`score_components` does) and
+each distinct text is parsed once for all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from grouprl.rewards.radiology.batch_parses import batch_scope
 
 ComponentFn = Callable[[list[str], list[str]], list[float]]
 
@@ -50,15 +57,20 @@ def get_component(name: str) -> Component:
 
 
 def score_components(hyps: Sequence[str], refs: Sequence[str], names: Sequence[str]) -> dict[str, list[float]]:
-    """Score every (hyp, ref) pair with each named component, one batched call per component."""
+    """Score every (hyp, ref) pair with each named component, one batched call per component.
+
+    Only the named components are computed, all in one :func:`batch_scope`, so each
+    distinct text is parsed and labelled once for all of them.
+    """
     if len(hyps) != len(refs):
         raise ValueError(f"got {len(hyps)} hypotheses for {len(refs)} references")
     components = [get_component(n) for n in names]  # fail on a bad name before any work
     hyps, refs = list(hyps), list(refs)
     out = {}
-    for component in components:
-        values = component.fn(hyps, refs)
-        if len(values) != len(hyps):
-            raise ValueError(f"component {component.name!r} returned {len(values)} scores for {len(hyps)} pairs")
-        out[component.name] = [float(v) for v in values]
+    with batch_scope():
+        for component in components:
+            values = component.fn(hyps, refs)
+            if len(values) != len(hyps):
+                raise ValueError(f"component {component.name!r} returned {len(values)} scores for {len(hyps)} pairs")
+            out[component.name] = [float(v) for v in values]
     return out

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from grouprl.rewards.radiology.batch_parses import batch_cached
+
 BACKEND = "radgraph=rules"
 
 ANAT_DP = "ANAT-DP"
@@ -655,14 +657,21 @@ def extract_graph(text: str) -> ReportGraph:
     return ReportGraph(text, tuple(entities), tuple(relations), tuple(spans))
 
 
-@lru_cache(maxsize=8192)
+@batch_cached
 def graph_of(text: str) -> ReportGraph:
     """:func:`extract_graph`, cached by text: the reward components share one parse per report.
 
-    The cache must hold every distinct text of one scoring batch (components run one
-    after another over the whole batch, and an LRU cache smaller than that misses on
-    every lookup), so 8192 texts: batches up to 4096 distinct pairs, some 50 MB.
+    Inside a :func:`~grouprl.rewards.radiology.batch_parses.batch_scope` each distinct
+    text of the batch is parsed once for all components, however large the batch.
+    Outside one, and across batches, a text-keyed LRU cache of 8192 graphs (some 50 MB)
+    answers: references recur across requests, and the editor and the extractor routes
+    look up texts one at a time.
     """
+    return _recent_graph(text)
+
+
+@lru_cache(maxsize=8192)
+def _recent_graph(text: str) -> ReportGraph:
     return extract_graph(text)
 
 

@@ -28,14 +28,17 @@ Per-sample reward components (registered in
   score is the other one alone, as scikit-learn's ``balanced_accuracy_score``
   averages over the classes present in the truth.
 
-Batch functions label each distinct text once: the references of a group of
-rollouts are usually one text repeated.
+Batch functions label each distinct text once, and inside a
+:func:`~grouprl.rewards.radiology.batch_parses.batch_scope` once for every
+component of the batch: the references of a group of rollouts are usually one
+text repeated, and EditGRPO's request reads six label-based scores.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from grouprl.rewards.radiology.batch_parses import batch_cached, batch_scope
 from grouprl.rewards.radiology.chexpert import BACKEND, FIVE, OBSERVATIONS, label_report
 from grouprl.rewards.radiology.components import register_component
 
@@ -137,22 +140,45 @@ def chexpert_f1(
     }
 
 
-def label_pairs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[dict], list[dict]]:
-    """Labels of every hypothesis and reference, each distinct text labelled once."""
+@batch_cached
+def report_labels(text: str) -> dict[str, int | None]:
+    """:func:`label_report` of a text, once per distinct text of a batch (shared: do not mutate)."""
+    return label_report(text)
+
+
+@batch_cached
+def _binary_uncertain_positive(text: str) -> bytes:
+    return bytes(to_binary(report_labels(text), uncertain_as_positive=True))
+
+
+@batch_cached
+def _binary_uncertain_negative(text: str) -> bytes:
+    return bytes(to_binary(report_labels(text), uncertain_as_positive=False))
+
+
+def binary_labels(text: str, uncertain_as_positive: bool) -> bytes:
+    """:func:`to_binary` of a text's labels as 14 bytes of 0 or 1, once per distinct text of a batch.
+
+    Bytes and one cache per convention (not a tuple keyed by text and flag): a batch keeps
+    one per text, and neither bytes nor a text key is an object the garbage collector counts.
+    """
+    return (_binary_uncertain_positive if uncertain_as_positive else _binary_uncertain_negative)(text)
+
+
+def _check_texts(hyps: Sequence[Any], refs: Sequence[Any]) -> None:
     if len(hyps) != len(refs):
         raise ValueError(f"got {len(hyps)} hypotheses for {len(refs)} references")
-    cache: dict[str, dict] = {}
+    for role, texts in (("hypothesis", hyps), ("reference", refs)):
+        for row, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"{role} {row} must be a string, got {type(text).__name__}")
 
-    def labels(text: Any, role: str, row: int) -> dict:
-        if not isinstance(text, str):
-            raise TypeError(f"{role} {row} must be a string, got {type(text).__name__}")
-        found = cache.get(text)
-        if found is None:
-            found = cache[text] = label_report(text)
-        return found
 
-    return ([labels(h, "hypothesis", i) for i, h in enumerate(hyps)],
-            [labels(r, "reference", i) for i, r in enumerate(refs)])
+def label_pairs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """Labels of every hypothesis and reference, each distinct text labelled once (the dicts are shared)."""
+    _check_texts(hyps, refs)
+    with batch_scope():
+        return [report_labels(h) for h in hyps], [report_labels(r) for r in refs]
 
 
 def chexpert_f1_reports(
@@ -169,12 +195,10 @@ def chexpert_f1_reports(
 
 
 def _per_sample(score, hyps, refs, classes, uncertain_as_positive) -> list[float]:
-    hyps_labels, refs_labels = label_pairs(hyps, refs)
-    return [
-        score(to_binary(h, uncertain_as_positive=uncertain_as_positive),
-              to_binary(r, uncertain_as_positive=uncertain_as_positive), classes)
-        for h, r in zip(hyps_labels, refs_labels)
-    ]
+    _check_texts(hyps, refs)
+    with batch_scope():
+        return [score(binary_labels(h, uncertain_as_positive), binary_labels(r, uncertain_as_positive), classes)
+                for h, r in zip(hyps, refs)]
 
 
 @register_component("cxb14micro", backend=BACKEND)

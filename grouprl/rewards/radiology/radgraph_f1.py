@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from grouprl.rewards.radiology.batch_parses import batch_cached, batch_scope
 from grouprl.rewards.radiology.components import register_component
 from grouprl.rewards.radiology.entities import BACKEND, ReportGraph, graph_of
 
@@ -95,8 +96,66 @@ def radgraph_corpus_f1(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     return out
 
 
-def _batch(hyps: list[str], refs: list[str], level: str) -> list[float]:
-    return [radgraph_f1(h, r, level) for h, r in zip(hyps, refs)]
+# Separators of the fields of a key kept as one string: entity texts and labels are lexicon
+# terms and label names, which hold no control characters.
+_FIELD, _RELATION, _RELATION_FIELD = "\x1f", "\x1e", "\x1d"
+
+
+def key_strings(graph: ReportGraph, level: str) -> frozenset[str]:
+    """:func:`entity_keys` of ``graph`` with each key one string (its fields joined by separators that
+    no entity text or label holds): two strings are equal exactly when their keys are, so F1 is unchanged.
+
+    Why strings: a batch keeps each text's keys until it ends, and the ~20 small tuples of
+    a report would each count towards the garbage collector's thresholds (a full collection
+    every few thousand texts); a string is not tracked by it.
+    """
+    entities = graph.entities
+    if level == "simple":
+        return frozenset([e.text for e in entities])
+    if level == "partial":
+        return frozenset([e.text + _FIELD + e.label for e in entities])
+    if level == "complete":
+        outgoing: list[set[str]] = [set() for _ in entities]
+        for r in graph.relations:
+            target = entities[r.target]
+            outgoing[r.source].add(r.type + _RELATION_FIELD + target.text + _RELATION_FIELD + target.label)
+        return frozenset([e.text + _FIELD + e.label + _FIELD + _RELATION.join(sorted(outgoing[e.id]))
+                          for e in entities])
+    raise ValueError(f"unknown RadGraph F1 level {level!r}; choose one of {', '.join(LEVELS)}")
+
+
+def _text_keys_at(level: str):
+    """``text -> key_strings(graph_of(text), level)`` cached in the batch scope: one cache per
+    level, so that the text alone is the key (a (text, level) tuple per text would be one more
+    object for the garbage collector to count)."""
+
+    @batch_cached
+    def keys(text: str) -> frozenset[str]:
+        return key_strings(graph_of(text), level)
+
+    keys.__name__ = keys.__qualname__ = f"text_entity_keys_{level}"
+    return keys
+
+
+_TEXT_KEYS = {level: _text_keys_at(level) for level in LEVELS}
+
+
+def text_entity_keys(text: str, level: str) -> frozenset[str]:
+    """:func:`key_strings` of a text's graph, once per distinct text and level of a batch."""
+    keys = _TEXT_KEYS.get(level)
+    if keys is None:
+        raise ValueError(f"unknown RadGraph F1 level {level!r}; choose one of {', '.join(LEVELS)}")
+    return keys(text)
+
+
+def _batch(hyps: list[str], refs: list[str], level: str, which: int = 2) -> list[float]:
+    """Element ``which`` (0 precision, 1 recall, 2 F1) of every pair's scores at ``level``.
+
+    Only the key sets are kept for the batch: comparing two of them costs less than
+    keeping every pair's result would (in memory and in garbage-collector work).
+    """
+    with batch_scope():
+        return [_prf(text_entity_keys(h, level), text_entity_keys(r, level))[which] for h, r in zip(hyps, refs)]
 
 
 @register_component("radgraphf1", backend=BACKEND,
@@ -120,10 +179,10 @@ def radgraph_complete_component(hyps: list[str], refs: list[str]) -> list[float]
 @register_component("radgraph_precision", backend=BACKEND,
                     description="RadGraph-style precision, partial level (EditGRPO's precision_radgraph_scores)")
 def radgraph_precision_component(hyps: list[str], refs: list[str]) -> list[float]:
-    return [radgraph_scores(h, r)["partial"][0] for h, r in zip(hyps, refs)]
+    return _batch(hyps, refs, "partial", 0)
 
 
 @register_component("radgraph_recall", backend=BACKEND,
                     description="RadGraph-style recall, partial level (EditGRPO's recall_radgraph_scores)")
 def radgraph_recall_component(hyps: list[str], refs: list[str]) -> list[float]:
-    return [radgraph_scores(h, r)["partial"][1] for h, r in zip(hyps, refs)]
+    return _batch(hyps, refs, "partial", 1)
