@@ -298,9 +298,11 @@ def test_real_composite_over_http():
         c = RewardServerClient(f"http://127.0.0.1:{sock.getsockname()[1]}/predict", batch_size=2)
         ref = "Mild cardiomegaly. No pleural effusion."
         out = c.score([ref, "Large pleural effusion.", re.sub("Mild", "Severe", ref)], [ref] * 3)
-        assert out["final_scores"][0] == pytest.approx(3.0, abs=1e-6)
+        # no components named: EditGRPO's default sum, whose cxb_bal_acc term adds 7/14 for 14 agreeing labels
+        # (the unboxed reports fail the 'short' format: its term is 0 and the content is still scored)
+        assert out["final_scores"][0] == pytest.approx(3.5, abs=1e-6)
         assert out["final_scores"][1] < out["final_scores"][0]
-        assert set(c.backends) == {"radgraphf1", "cxb14micro", "ratescore"}
+        assert set(c.backends) == {"radgraphf1", "cxb14micro", "ratescore", "cxb_bal_acc_editgrpo", "format"}
     finally:
         uv.should_exit = True
         thread.join(timeout=10)

@@ -1,4 +1,8 @@
-"""The reward server: EditGRPO's /predict shape, the composite, format failures, bad requests, auth, /analyze."""
+"""The reward server: EditGRPO's /predict shape, the composite, format failures, bad requests, auth, /analyze.
+
+EditGRPO-specific behaviours beyond the shape (embeddings, /extract, long reports, slow bodies) are in
+test_server_editgrpo.py; RadVLM-GRPO's worker routes in test_server_radvlm.py.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def components(monkeypatch):
 
 
 def make_client(**kwargs):
-    options = dict(default_components=["t_exact", "t_overlap"], extract_report=boxed_extract)
+    options = dict(default_components=["t_exact", "t_overlap"], extract_report=boxed_extract, entity_embeddings="ngram")
     options.update(kwargs)
     return TestClient(server.create_app(**options))
 
@@ -84,7 +88,7 @@ def test_predict_success_shape_and_composite(client):
     assert r.status_code == 200, r.text
     body = r.json()
     assert set(body) == {"result", "data"} and body["result"] == "success"
-    assert set(body["data"]) == {"predictions", "backends", "type", "components"}
+    assert set(body["data"]) == {"predictions", "backends", "type", "components", "weights", "truncated"}
     predictions = body["data"]["predictions"]
     assert set(predictions) == {"t_exact", "t_overlap", "final_scores", "format_ok", "format_scores"}
     assert predictions["t_exact"] == [1.0, 0.0, 0.0]
@@ -102,21 +106,57 @@ def test_default_components_and_one_call_per_batch(components):
     assert CALLS == [3]  # batched: one component call for the whole request
 
 
-def test_format_failures_score_zero_and_are_flagged(client):
+def test_all_components_of_a_request_share_one_parse_scope(components, monkeypatch):
+    """Each distinct text is parsed once per request: every component runs inside the same batch scope."""
+    from grouprl.rewards.radiology.batch_parses import active_scope
+
+    seen = []
+
+    def scoped(hyps, refs):
+        seen.append(active_scope())
+        return exact(hyps, refs)
+
+    monkeypatch.setitem(COMPONENTS, "t_scoped_a", Component("t_scoped_a", scoped, "test=a"))
+    monkeypatch.setitem(COMPONENTS, "t_scoped_b", Component("t_scoped_b", scoped, "test=b"))
+    client = make_client(default_components=["t_scoped_a", "t_scoped_b"])
+    r = post(client, {"hyps": HYPS, "refs": REFS, "type": "free_form", "editgrpo_keys": False})
+    assert r.status_code == 200, r.text
+    assert len(seen) == 2 and seen[0] is not None and seen[0] is seen[1]
+
+
+def test_listening_sockets_are_tcp_so_connections_get_nodelay():
+    """asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP; with proto 0 a keep-alive
+    client's next request waited out the 40 ms delayed-ACK timer."""
+    import socket
+
+    sockets = server.bind_sockets("127.0.0.1", 0)
+    try:
+        assert sockets[0].proto == socket.IPPROTO_TCP
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_format_failures_lose_only_the_format_term(client):
+    """EditGRPO's server still scores the content of a response that fails its format."""
     hyps = ["\\boxed{No pleural effusion.}", "No pleural effusion.",
             "<think>effusion?</think> \\boxed{No pleural effusion.}", "\\boxed{No pleural effusion.}"]
     refs = ["No pleural effusion."] * 4
     short = post(client, {"hyps": hyps, "refs": refs, "type": "short", "editgrpo_keys": False}).json()
     p = short["data"]["predictions"]
     assert p["format_ok"] == [True, False, True, True]
-    assert p["t_exact"] == [1.0, 0.0, 1.0, 1.0]  # the boxed report is what gets scored
+    assert p["t_exact"] == [1.0, 0.0, 1.0, 1.0]  # no box at all: the content is the empty report
     assert p["final_scores"] == [2.0, 0.0, 2.0, 2.0]
     cot = post(client, {"hyps": hyps, "refs": refs, "type": "cot", "editgrpo_keys": False}).json()
     p = cot["data"]["predictions"]
     assert p["format_ok"] == [False, False, True, False]
-    assert p["t_exact"] == [0.0, 0.0, 1.0, 0.0] and p["t_overlap"] == [0.0, 0.0, 1.0, 0.0]
-    assert p["final_scores"] == [0.0, 0.0, 2.0, 0.0]
+    # the boxed report of a response without its <think> block is still scored
+    assert p["t_exact"] == [1.0, 0.0, 1.0, 1.0] and p["t_overlap"] == [1.0, 0.0, 1.0, 1.0]
+    assert p["final_scores"] == [2.0, 0.0, 2.0, 2.0]
     assert p["format_scores"] == [0.0, 0.0, 1.0, 0.0]
+    with_format = post(client, {"hyps": hyps, "refs": refs, "type": "cot", "editgrpo_keys": False,
+                                "requested_reward_components": ["t_exact", "t_overlap", "format"]}).json()
+    assert with_format["data"]["predictions"]["final_scores"] == [2.0, 0.0, 3.0, 2.0]  # only the format term drops
 
 
 def test_format_pseudo_component_follows_editgrpo(client):
@@ -158,7 +198,6 @@ BAD_REQUESTS = [
     ("duplicate components", {"hyps": ["a"], "refs": ["a"], "requested_reward_components": ["t_exact", "t_exact"]},
      "more than once"),
     ("too many items", {"hyps": ["a"] * 5, "refs": ["a"] * 5}, "at most 4"),
-    ("too long string", {"hyps": ["a" * 101], "refs": ["a"]}, "hyps[0] has 101 characters"),
 ]
 
 
@@ -216,6 +255,8 @@ def test_token_auth(components):
     assert "bearer token" in post(client, payload).json()["data"]["message"]
     assert client.get("/health").status_code == 200  # health stays open
     assert client.post("/analyze", json={"generations": ["a"], "ground_truth": ["a"]}).status_code == 401
+    assert client.post("/extract", json={"generations": ["a"], "ground_truth": ["a"]}).status_code == 401
+    assert client.post("/score_radcliq", json={"pred_text": "a" * 9, "true_text": "a" * 9}).status_code == 401
 
 
 def test_health_and_unknown_route(client):
@@ -326,14 +367,16 @@ def test_real_editgrpo_composite():
     data = r.json()["data"]
     p = data["predictions"]
     assert set(EDITGRPO) <= set(p) and set(EDITGRPO) <= set(data["backends"])
-    assert p["final_scores"][0] == pytest.approx(sum(p[c][0] for c in EDITGRPO))
-    assert p["final_scores"][0] == pytest.approx(3.0, abs=1e-6)
+    # EditGRPO's default sum: the three [0, 1] scores, its cxb_bal_acc / 14, and no format term under free_form
+    assert p["final_scores"][0] == pytest.approx(sum(p[c][0] for c in EDITGRPO) + p["cxb_bal_acc_editgrpo"][0] / 14)
+    assert p["cxb_bal_acc_editgrpo"][0] == 7.0  # all 14 labels agree, frequencies per pair: 14 / 2
+    assert p["final_scores"][0] == pytest.approx(3.5, abs=1e-6)
     assert p["final_scores"][2] < p["final_scores"][0]
     # EditGRPO's own client reads these names
     assert p["f1_radgraph_scores"] == p["radgraphf1"] and p["rate_scores"] == p["ratescore"]
     short = client.post("/predict", json={"hyps": hyps, "refs": [ref] * 3, "type": "short"}).json()
     assert short["data"]["predictions"]["format_ok"] == [False, True, False]
-    assert short["data"]["predictions"]["final_scores"][1] == pytest.approx(3.0, abs=1e-6)
+    assert short["data"]["predictions"]["final_scores"][1] == pytest.approx(4.5, abs=1e-6)  # + the format term
 
 
 def _has_real_matcher():
@@ -371,4 +414,5 @@ def test_every_key_editgrpos_own_client_reads_is_filled_by_real_components():
     for key in server.EDITGRPO_KEYS:
         assert len(predictions[key]) == 2, key
     assert predictions["format_ok"] == [True, False]
-    assert predictions["f1_radgraph_scores"][0] == 1.0 and predictions["final_scores"][1] == 0.0
+    assert predictions["f1_radgraph_scores"][0] == 1.0
+    assert predictions["balanced_accuracy_chexbert"] == predictions["cxb_bal_acc_editgrpo"]  # EditGRPO's scale

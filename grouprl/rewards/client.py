@@ -70,7 +70,8 @@ class RewardServerClient:
     """Score reports on a grouprl (or EditGRPO) reward server.
 
     ``components``: the components to request (None: the server's default, EditGRPO's
-    composite). ``type``: ``short`` / ``cot`` / ``free_form`` (the server's format
+    composite radgraphf1 + cxb14micro + ratescore + cxb_bal_acc_editgrpo / 14 + format,
+    where the format term counts only under ``short`` and ``cot``). ``type``: ``short`` / ``cot`` / ``free_form`` (the server's format
     check). ``timeout`` is per request in seconds; ``retries`` is how many times a
     failed request is repeated (so at most ``retries + 1`` attempts), waiting
     ``backoff * 2**k`` seconds before repeat ``k + 1``.

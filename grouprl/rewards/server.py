@@ -1,63 +1,98 @@
-"""The reward server: report score components over HTTP, compatible with EditGRPO's reward server.
+"""The reward server: report score components over HTTP, for grouprl's client and the seeds' own clients.
 
-``grouprl serve rewards`` runs it (FastAPI under uvicorn, 127.0.0.1 by default)::
+``grouprl serve rewards`` runs it (FastAPI under uvicorn, 127.0.0.1 by default). Routes::
 
     POST /predict  {"hyps": [...], "refs": [...], "type": "short"|"cot"|"free_form",
                     "requested_reward_components": ["radgraphf1", "cxb14micro", "ratescore"]}
       200 {"result": "success",
-           "data": {"predictions": {"radgraphf1": [...], "cxb14micro": [...], "ratescore": [...],
-                                    "final_scores": [...], "format_ok": [...], "format_scores": [...],
-                                    <EditGRPO's own key names, see EDITGRPO_KEYS>},
-                    "backends": {"radgraphf1": "...", ...}, "type": "...", "components": [...]}}
-      400/401/413 {"result": "error", "data": {"message": "..."}}   (the request's fault)
-      500         {"result": "error", "data": {"message": "..."}}   (a component raised)
-    POST /analyze  {"generations": [...], "ground_truth": [...]}   (EditGRPO's extractor request)
-    GET  /health   {"status": "ok", "components": [...], ...}
+           "data": {"predictions": {"radgraphf1": [...], ..., "final_scores": [...], "format_ok": [...],
+                                    "format_scores": [...], <EditGRPO's own key names, see EDITGRPO_KEYS>},
+                    "backends": {"radgraphf1": "...", ...}, "type": "...", "components": [...],
+                    "weights": {...}, "truncated": {"max_chars": N, "hyps": [...], "refs": [...]}}}
+      400/401/408/413 {"result": "error", "data": {"message": "..."}}   (the request's fault)
+      500             {"result": "error", "data": {"message": "..."}}   (a component raised)
+    POST /analyze  {"generations": [...], "ground_truth": [...]}   EditGRPO's extractor (ratescore dialect)
+    POST /extract  {"generations": [...], "ground_truth": [...]}   EditGRPO's extractor (radgraph dialect)
+    POST /score_radcliq | /score_bertscore | /score_radgraph  {"pred_text", "true_text"} -> {"score"}
+                                                                   RadVLM-GRPO's reward workers
+    GET  /health   {"status": "ok", "components": [...], "radvlm": {"fallbacks": ...}, ...}
 
-``final_scores[i]`` is the sum of the requested components at sample ``i``
-(EditGRPO's composite radgraphf1 + cxb14micro + ratescore by default). Under
-``short`` and ``cot`` a response must hold ``\\boxed{...}`` (``cot``: after
-``<think>...</think>``) and only the boxed report is scored; a response failing
-its type's format scores 0 in every component and in ``final_scores`` and is
-flagged ``format_ok: false``. Two pseudo-components keep EditGRPO's request
-vocabulary: ``format`` (1 when the format holds; added to ``final_scores`` only
-when the type is not ``free_form``, as EditGRPO does) and ``all`` (radgraphf1,
-cxb14micro, ratescore, cxb_bal_acc, format). Unlike EditGRPO, ``cxb_bal_acc``
-enters the sum as it is (it is already in [0, 1]; EditGRPO divides its 14-class
-sum by 14).
+/predict follows EditGRPO's reward server:
 
-EditGRPO's client reads its own key names (``f1_radgraph_scores``,
-``micro_chexbert_14``, ...); the server also writes those for every registered
-component they map to (:data:`EDITGRPO_KEYS`), computing such a component even
-when it was not requested (it is then not part of ``final_scores``). A request
-with ``"editgrpo_keys": false`` (grouprl's own client sends it) skips that.
+- ``final_scores[i]`` is the weighted sum of the requested components at sample ``i``.
+  Every weight is 1 except ``cxb_bal_acc_editgrpo``'s, 1/14 (:data:`COMPOSITE_WEIGHTS`):
+  EditGRPO adds its 14-class "balanced accuracy" sum divided by 14.
+- A request naming no component gets EditGRPO's default composite
+  (:data:`DEFAULT_COMPONENTS`): radgraphf1 + cxb14micro + ratescore +
+  cxb_bal_acc_editgrpo / 14 + format. ``all`` names the same set.
+- Format: under ``short`` a response must hold ``\\boxed{...}``, under ``cot`` a
+  ``<think>...</think>`` block and then ``\\boxed{...}``; ``format_ok`` says whether it
+  does and the ``format`` term (1 or 0) enters ``final_scores`` only under ``short``
+  and ``cot``. A response failing its format loses only that term: its content is
+  still scored, as on EditGRPO's server. The content is the report when the format
+  holds, else the last complete ``\\boxed{...}`` anywhere in the response, else the
+  empty report (EditGRPO scores the placeholder text "None" there).
+- ``cxb_bal_acc_editgrpo`` is EditGRPO's ``cxb_bal_acc`` with its definition and scale
+  (a class-frequency-weighted count of agreeing CheXpert labels, 0..7; see
+  ``radiology/weighted_accuracy.py``, ``class_frequencies`` for its frequency file).
+  grouprl's ``cxb_bal_acc`` is a true balanced accuracy in [0, 1] and enters a sum with
+  weight 1 when requested by name.
+- Reports of any length are scored: each generated report (after its format is read)
+  and each reference is cut to its first ``max_chars`` characters (20,000 by default)
+  and ``truncated`` lists the cut ones. Only a request body over ``max_body_bytes``
+  is refused (413). EditGRPO's client turns any refusal into reward 0 for the whole
+  request.
+- EditGRPO's client reads its own key names (``f1_radgraph_scores``,
+  ``micro_chexbert_14``, ...); the server also writes those for every registered
+  component they map to (:data:`EDITGRPO_KEYS`), computing such a component even when
+  it was not requested (it is then not part of ``final_scores``). A request with
+  ``"editgrpo_keys": false`` (grouprl's own client sends it) skips that.
 
-Scoring runs in a worker thread, one component call per request batch, so that
-the event loop keeps answering (``/health`` stays responsive during a long batch).
-A component that raises gives a 500 naming it; the server keeps serving.
+/analyze answers EditGRPO's ``ratescore`` extractor client; every entity in the lists
+that client reads carries an ``embedding`` so that its similarity choice and
+threshold tau work (``data.embedding_backend`` names the encoder; a request may send
+``"embeddings": false``). /extract answers its ``radgraph`` client with RadGraph-shaped
+annotations. See ``radiology/extractor_api.py``. The RadVLM routes keep RadVLM's
+worker behaviour, fallback scores included (``radvlm_workers.py``).
+
+Scoring runs in worker threads (``scoring_threads``), one component call per request
+batch, so that the event loop keeps answering (``/health`` stays responsive during a
+long batch). A component that raises gives a 500 naming it (a RadVLM route answers its
+fallback score instead, logged and counted). A request body must arrive within
+``body_timeout`` seconds (else 408 and the connection is closed); a client that
+disconnects mid-body is logged in one line.
 """
 
 # No "from __future__ import annotations": FastAPI must see the route parameters' real types
 # (Request is imported inside create_app, so string annotations could not be resolved).
 
 import asyncio
+import collections
 import concurrent.futures
 import hmac
 import json
 import logging
 import math
 import os
+import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from grouprl.rewards import radvlm_workers
+
 logger = logging.getLogger(__name__)
 
 REPORT_TYPES = ("short", "cot", "free_form")
-DEFAULT_COMPONENTS = ("radgraphf1", "cxb14micro", "ratescore")
 FORMAT = "format"  # pseudo-component: 1.0 when the response has its type's format
 ALL = "all"  # pseudo-component: EditGRPO's "every reward" request
-ALL_COMPONENTS = ("radgraphf1", "cxb14micro", "ratescore", "cxb_bal_acc", FORMAT)
+EDITGRPO_BAL_ACC = "cxb_bal_acc_editgrpo"
+# EditGRPO's server sums these when a request names none, and for "all".
+DEFAULT_COMPONENTS = ("radgraphf1", "cxb14micro", "ratescore", EDITGRPO_BAL_ACC, FORMAT)
+ALL_COMPONENTS = DEFAULT_COMPONENTS
+# Weight of a component in final_scores when not 1: EditGRPO divides its 14-class sum by 14.
+COMPOSITE_WEIGHTS: dict[str, float] = {EDITGRPO_BAL_ACC: 1.0 / 14.0}
 
 # EditGRPO's response keys -> the component whose per-sample values they carry.
 # Its client (rad_scores.py) reads all of them; a key whose component is not
@@ -71,13 +106,14 @@ EDITGRPO_KEYS: dict[str, str] = {
     "micro_chexbert_5": "cxb5micro",
     "macro_chexbert_5": "cxb5macro",
     "accuracy_chexbert": "cxb_accuracy",
-    "balanced_accuracy_chexbert": "cxb_bal_acc",
+    "balanced_accuracy_chexbert": EDITGRPO_BAL_ACC,
     "rate_scores": "ratescore",
 }
 
 DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_CHARS = 20_000
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 60.0
 
 ENV_CONFIG = "GROUPRL_REWARD_SERVER_CONFIG"  # settings handed to uvicorn worker processes
 
@@ -107,6 +143,8 @@ def load_report_components() -> dict[str, Any]:
     a component is computed, so a missing one fails that request with its install hint.
     """
     import grouprl.rewards.radiology  # noqa: F401
+    # EditGRPO's cxb_bal_acc lives in its own module, which the package does not import.
+    import grouprl.rewards.radiology.weighted_accuracy  # noqa: F401
     from grouprl.rewards.radiology.components import COMPONENTS
 
     return COMPONENTS
@@ -116,6 +154,13 @@ def _default_extract(text: str, type: str) -> str | None:
     from grouprl.rewards.radiology.answers import extract_report
 
     return extract_report(text, type)
+
+
+def content_without_format(text: str) -> str:
+    """What EditGRPO scores for a response failing its format: the last complete box's content, else ""."""
+    from grouprl.rewards.rule_based import extract_boxed
+
+    return extract_boxed(text) or ""
 
 
 def expand_components(names: Sequence[str] | None, default: Sequence[str]) -> list[str]:
@@ -155,12 +200,16 @@ class Limits:
     max_batch: int = DEFAULT_MAX_BATCH
     max_chars: int = DEFAULT_MAX_CHARS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_chars", "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"reward server {name} must be a positive integer, got {value!r}")
+        timeout = self.body_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+            raise ValueError(f"reward server body_timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def decode_json_body(body: bytes) -> dict[str, Any]:
@@ -212,8 +261,6 @@ def string_list(payload: Mapping[str, Any], key: str, limits: Limits, *, allow_b
     for i, value in enumerate(values):
         if not isinstance(value, str):
             raise RequestError(f"{key}[{i}] must be a string, got a JSON {_json_type(value)}")
-        if len(value) > limits.max_chars:
-            raise RequestError(f"{key}[{i}] has {len(value)} characters; the limit is {limits.max_chars}")
         if not allow_blank and not value.strip():
             raise RequestError(f"{key}[{i}] is empty; every reference needs text")
     return values
@@ -226,6 +273,13 @@ def paired_lists(payload: Mapping[str, Any], hyp_key: str, ref_key: str, limits:
     if len(hyps) != len(refs):
         raise RequestError(f"{hyp_key!r} has {len(hyps)} items but {ref_key!r} has {len(refs)}; they must pair up")
     return hyps, refs
+
+
+def optional_flag(payload: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = payload.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"{key!r} must be true or false, got {value!r}")
+    return value
 
 
 def parse_predict(payload: Mapping[str, Any], *, known: Mapping[str, Any], default_components: Sequence[str],
@@ -245,57 +299,65 @@ def parse_predict(payload: Mapping[str, Any], *, known: Mapping[str, Any], defau
             raise RequestError(f"'requested_reward_components' names {duplicates} more than once")
     components = expand_components(requested, default_components)
     check_component_names(components, known)
-    editgrpo_keys = payload.get("editgrpo_keys", True)
-    if not isinstance(editgrpo_keys, bool):
-        raise RequestError(f"'editgrpo_keys' must be true or false, got {editgrpo_keys!r}")
-    return PredictRequest(hyps, refs, type_, components, editgrpo_keys)
+    return PredictRequest(hyps, refs, type_, components, optional_flag(payload, "editgrpo_keys", True))
+
+
+def cut_texts(texts: Sequence[str], max_chars: int) -> tuple[list[str], list[int]]:
+    """Each text cut to its first ``max_chars`` characters, and the indices of those that were cut."""
+    return [t[:max_chars] for t in texts], [i for i, t in enumerate(texts) if len(t) > max_chars]
 
 
 # ----------------------------------------------------------------------------- scoring
 
 
-def score_predict(request: PredictRequest, *, components: Mapping[str, Any], extract: ExtractFn) -> dict[str, Any]:
-    """The ``data`` of a /predict success: per-sample predictions and each component's backend."""
+def score_predict(request: PredictRequest, *, components: Mapping[str, Any], extract: ExtractFn,
+                  max_chars: int = DEFAULT_MAX_CHARS,
+                  weights: Mapping[str, float] = COMPOSITE_WEIGHTS) -> dict[str, Any]:
+    """The ``data`` of a /predict success: per-sample predictions and each component's backend.
+
+    Every sample's content is scored, whether its format holds or not (see the module doc).
+    """
     n = len(request.hyps)
-    reports: list[str | None] = []
+    reports: list[str] = []
+    ok: list[bool] = []
     for i, hyp in enumerate(request.hyps):
         try:
-            reports.append(extract(hyp, request.type))
+            report = extract(hyp, request.type)
+            ok.append(report is not None)
+            reports.append(report if report is not None else content_without_format(hyp))
         except Exception as exc:
             raise ComponentFailure(f"extracting the report of hyps[{i}] ({request.type}) failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
-    ok = [r is not None for r in reports]
-    keep = [i for i in range(n) if ok[i]]
-    hyps = [reports[i] for i in keep]
-    refs = [request.refs[i] for i in keep]
+    hyps, cut_hyps = cut_texts(reports, max_chars)
+    refs, cut_refs = cut_texts(request.refs, max_chars)
+    if cut_hyps or cut_refs:
+        logger.info("/predict: cut %d report(s) and %d reference(s) to %d characters", len(cut_hyps), len(cut_refs),
+                    max_chars)
 
     scored = [c for c in request.components if c != FORMAT]
     extra: list[str] = []
     if request.editgrpo_keys:
         extra = [c for c in EDITGRPO_KEYS.values() if c in components and c not in scored]
-    values: dict[str, list[float]] = {}
-    for name in [*scored, *extra]:
-        component = components[name]
-        got = _call_component(component, hyps, refs) if hyps else []
-        full = [0.0] * n  # a sample failing its format scores 0 in every component
-        for i, v in zip(keep, got):
-            full[i] = v
-        values[name] = full
+    from grouprl.rewards.radiology.batch_parses import batch_scope
+
+    # One scope for all components: each distinct text is parsed once per request, not once per component.
+    with batch_scope():
+        values = {name: _call_component(components[name], hyps, refs) for name in [*scored, *extra]}
 
     format_scores = [1.0 if o else 0.0 for o in ok]
     predictions: dict[str, Any] = {}
     for name in request.components:
         predictions[name] = format_scores if name == FORMAT else values[name]
+    used = {name: float(weights.get(name, 1.0)) for name in request.components}
     final = []
     for i in range(n):
         total = 0.0
-        if ok[i]:
-            for name in request.components:
-                if name == FORMAT:
-                    if request.type != "free_form":
-                        total += format_scores[i]
-                else:
-                    total += values[name][i]
+        for name in request.components:
+            if name == FORMAT:
+                if request.type != "free_form":  # EditGRPO adds no format term to free-form reports
+                    total += format_scores[i]
+            else:
+                total += used[name] * values[name][i]
         final.append(total)
     predictions["final_scores"] = final
     predictions["format_ok"] = ok
@@ -308,7 +370,8 @@ def score_predict(request: PredictRequest, *, components: Mapping[str, Any], ext
     if FORMAT in request.components:
         backends[FORMAT] = f"rules(type={request.type})"
     return {"predictions": predictions, "backends": backends, "type": request.type,
-            "components": list(request.components)}
+            "components": list(request.components), "weights": used,
+            "truncated": {"max_chars": max_chars, "hyps": cut_hyps, "refs": cut_refs}}
 
 
 def _call_component(component, hyps: list[str], refs: list[str]) -> list[float]:
@@ -330,56 +393,44 @@ def _call_component(component, hyps: list[str], refs: list[str]) -> list[float]:
     return out
 
 
-def analyze_pairs(generations: list[str], ground_truth: list[str]) -> list[dict[str, Any]]:
-    """EditGRPO's extractor analysis of each (generation, reference) pair, with grouprl's entity matcher.
+def _default_analyze(generations: list[str], ground_truth: list[str]) -> list[dict[str, Any]]:
+    from grouprl.rewards.radiology.extractor_api import analyze_pairs
 
-    Per pair: the entities of both texts (text, type, sentence index and sentence),
-    the false positives (generated entities with no counterpart), the false negatives
-    (reference entities with none) and the contradictions (same observation, opposite
-    polarity), plus EditGRPO's ``ref_entities_grouped_by_sentence``.
-    """
-    from grouprl.rewards.radiology.entities import split_sentences
-    from grouprl.rewards.radiology.ratescore import match_entities
-
-    return [analysis_dict(match_entities(gen, ref).to_dict(), split_sentences(gen), split_sentences(ref))
-            for gen, ref in zip(generations, ground_truth)]
+    return analyze_pairs(generations, ground_truth)
 
 
-def analysis_dict(match: Mapping[str, Any], gen_sentences: Sequence[str],
-                  ref_sentences: Sequence[str]) -> dict[str, Any]:
-    """``EntityMatching.to_dict()`` in the /analyze response's shape, EditGRPO's key names kept.
+def _attach_embeddings(results: list[dict[str, Any]], embedder) -> list[dict[str, Any]]:
+    from grouprl.rewards.radiology.extractor_api import attach_embeddings
 
-    Entities get ``sentence_index`` (the matcher's ``sentence``), the ``sentence``
-    text itself and EditGRPO's ``text_span``; a contradiction is
-    ``{"gen_entity", "ref_entity", "similarity"}``.
-    """
-    def gen(e):
-        return entity_dict(e, gen_sentences)
-
-    def ref(e):
-        return entity_dict(e, ref_sentences)
-
-    references = [ref(e) for e in match["ref_entities"]]
-    grouped: dict[str, list[dict[str, Any]]] = {}
-    for e in references:
-        grouped.setdefault(e["sentence"], []).append(e)
-    return {
-        "generation_entities": [gen(e) for e in match["hyp_entities"]],
-        "reference_entities": references,
-        "false_positives": [gen(e) for e in match["false_positives"]],
-        "false_negatives": [ref(e) for e in match["false_negatives"]],
-        "contradictions": [{"gen_entity": gen(c["hyp"]), "ref_entity": ref(c["ref"]),
-                            "similarity": float(c["similarity"])} for c in match["contradictions"]],
-        "ref_entities_grouped_by_sentence": grouped,
-    }
+    return attach_embeddings(results, embedder)
 
 
-def entity_dict(entity: Mapping[str, Any], sentences: Sequence[str]) -> dict[str, Any]:
-    index = int(entity["sentence"])
-    out = {k: v for k, v in entity.items() if k != "sentence"}
-    out.update(text_span=entity["text"], sentence_index=index,
-               sentence=sentences[index].strip() if 0 <= index < len(sentences) else "")
-    return out
+def _radgraph_annotations(texts: list[str]) -> dict[str, Any]:
+    from grouprl.rewards.radiology.extractor_api import radgraph_annotations
+
+    return radgraph_annotations(texts)
+
+
+def _entity_embedder(kind: str, model: str | None):
+    from grouprl.rewards.radiology.entity_embeddings import entity_embedder
+
+    return entity_embedder(kind, model)
+
+
+def _frequency_component(path: str):
+    from grouprl.rewards.radiology.weighted_accuracy import weighted_accuracy_component
+
+    return weighted_accuracy_component(path)
+
+
+def extractor_lists(payload: Mapping[str, Any], limits: Limits) -> tuple[list[str], list[str], dict[str, Any]]:
+    """``generations`` and ``ground_truth`` of an extractor request, cut to ``max_chars``, and what was cut."""
+    if isinstance(payload.get("ground_truth"), str):  # EditGRPO's extractors accept one bare reference
+        payload = {**payload, "ground_truth": [payload["ground_truth"]]}
+    gens, refs = paired_lists(payload, "generations", "ground_truth", limits)
+    gens, cut_gens = cut_texts(gens, limits.max_chars)
+    refs, cut_refs = cut_texts(refs, limits.max_chars)
+    return gens, refs, {"max_chars": limits.max_chars, "generations": cut_gens, "ground_truth": cut_refs}
 
 
 # ----------------------------------------------------------------------------- the app
@@ -392,41 +443,60 @@ def create_app(
     max_batch: int = DEFAULT_MAX_BATCH,
     max_chars: int = DEFAULT_MAX_CHARS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
     default_type: str = "short",
     scoring_threads: int = 1,
+    class_frequencies: str | None = None,
+    entity_embeddings: str = "auto",
+    entity_encoder: str | None = None,
     extract_report: ExtractFn | None = None,
     analyze: AnalyzeFn | None = None,
 ):
     """The FastAPI app of the reward server.
 
     ``default_components`` are scored when a request names none (EditGRPO's
-    composite). ``token``: when set, /predict and /analyze need
-    ``Authorization: Bearer <token>`` (401 otherwise); /health stays open.
-    ``default_type`` is the report type of a request without ``type`` ("short",
-    as EditGRPO's server). ``scoring_threads`` worker threads run the scoring (1:
-    requests are scored one at a time, off the event loop; model backends need not
-    be thread-safe). ``extract_report`` / ``analyze`` replace the format check
-    (``answers.extract_report``) and the entity analysis (``ratescore.match_entities``).
+    composite). ``token``: when set, every POST route needs ``Authorization: Bearer
+    <token>`` (401 otherwise); /health stays open. ``max_chars``: reports are scored up
+    to this many characters (the rest is cut, and the answer says so);
+    ``max_body_bytes``: larger request bodies get 413; ``body_timeout``: seconds a
+    request body may take to arrive (408 after). ``default_type`` is the report type of
+    a request without ``type`` ("short", as EditGRPO's server). ``scoring_threads``
+    worker threads run the scoring (1: requests are scored one at a time, off the event
+    loop; model backends need not be thread-safe). ``class_frequencies``: EditGRPO's
+    class-frequency JSON for ``cxb_bal_acc_editgrpo``. ``entity_embeddings`` (``auto``,
+    ``encoder``, ``ngram``) and ``entity_encoder`` (a local encoder directory) choose the
+    /analyze embeddings. ``extract_report`` / ``analyze`` replace the format check
+    (``answers.extract_report``) and the entity analysis
+    (``extractor_api.analyze_pairs``).
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 
-    limits = Limits(max_batch, max_chars, max_body_bytes)
+    limits = Limits(max_batch, max_chars, max_body_bytes, body_timeout)
     if default_type not in REPORT_TYPES:
         raise ValueError(f"default_type must be one of {REPORT_TYPES}, got {default_type!r}")
     if isinstance(scoring_threads, bool) or not isinstance(scoring_threads, int) or scoring_threads < 1:
         raise ValueError(f"scoring_threads must be a positive integer, got {scoring_threads!r}")
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
-    components = load_report_components()
+    registry = load_report_components()
+    # A frequency file binds a per-server variant of EditGRPO's cxb_bal_acc; the registry keeps the file-less one.
+    overrides = {EDITGRPO_BAL_ACC: _frequency_component(class_frequencies)} if class_frequencies else {}
+    components: Mapping[str, Any] = collections.ChainMap(overrides, registry)
     default = expand_components(list(default_components), DEFAULT_COMPONENTS)
     try:
         check_component_names(default, components)
     except RequestError as exc:
         raise ValueError(f"default components: {exc}") from None
+    missing = sorted({e.component for e in radvlm_workers.ENDPOINTS.values()} - set(components))
+    if missing:
+        raise ValueError(f"RadVLM routes need the report score components {missing}, which are not registered")
+    embedder = _entity_embedder(entity_embeddings, entity_encoder)
     extract = extract_report or _default_extract
-    analyzer = analyze or analyze_pairs
+    analyzer = analyze or _default_analyze
+    fallbacks = radvlm_workers.FallbackCounter(radvlm_workers.ENDPOINTS)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=scoring_threads, thread_name_prefix="grouprl-score")
 
     import contextlib
@@ -441,9 +511,12 @@ def create_app(
     app = FastAPI(title="grouprl reward server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.limits = limits
     app.state.executor = executor
+    app.state.radvlm_fallbacks = fallbacks
 
     def error(message: str, status: int) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if status == 408:  # the rest of the body may still be on its way: this connection cannot be reused
+            headers = {"Connection": "close"}
         return JSONResponse({"result": "error", "data": {"message": message}}, status_code=status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -458,7 +531,7 @@ def create_app(
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise RequestError("missing or wrong bearer token (send 'Authorization: Bearer <token>')", 401)
 
-    async def read_json(request: Request) -> dict[str, Any]:
+    async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
             raise RequestError(f"request body of {int(length)} bytes is over the limit of "
@@ -470,18 +543,35 @@ def create_app(
                 raise RequestError(f"request body is over the limit of {limits.max_body_bytes} bytes "
                                    "(split the batch)", 413)
             chunks.append(chunk)
-        return decode_json_body(b"".join(chunks))
+        return b"".join(chunks)
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        # uvicorn bounds the wait for headers and between requests, not for a body: a client
+        # trickling one would hold its connection (and this coroutine) forever.
+        try:
+            async with asyncio.timeout(limits.body_timeout):
+                body = await read_body(request)
+        except TimeoutError:
+            raise RequestError(f"request body not received within {limits.body_timeout:g} s", 408) from None
+        return decode_json_body(body)
 
     async def run(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
-    async def guarded(request: Request, handle) -> JSONResponse:
+    async def answered(request: Request, handle, envelope: bool = True) -> JSONResponse:
         try:
             authorize(request)
             payload = await read_json(request)
-            return JSONResponse({"result": "success", "data": await handle(payload)})
+            data = await handle(payload)
+            return JSONResponse({"result": "success", "data": data} if envelope else data)
         except RequestError as exc:
+            if exc.status == 408:
+                logger.info("%s %s from %s: %s", request.method, request.url.path, _peer(request), exc)
             return error(str(exc), exc.status)
+        except ClientDisconnect:  # nobody is left to answer; one line, not a traceback
+            logger.info("%s %s: client %s disconnected before sending the whole request body", request.method,
+                        request.url.path, _peer(request))
+            return error("client disconnected", 400)
         except ComponentFailure as exc:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc)
             return error(str(exc), 500)
@@ -494,16 +584,16 @@ def create_app(
         async def handle(payload):
             parsed = parse_predict(payload, known=components, default_components=default,
                                    default_type=default_type, limits=limits)
-            return await run(lambda: score_predict(parsed, components=components, extract=extract))
+            return await run(lambda: score_predict(parsed, components=components, extract=extract,
+                                                   max_chars=limits.max_chars))
 
-        return await guarded(request, handle)
+        return await answered(request, handle)
 
     @app.post("/analyze")
     async def analyze_route(request: Request):
         async def handle(payload):
-            if isinstance(payload.get("ground_truth"), str):  # EditGRPO's extractor accepts one bare reference
-                payload = {**payload, "ground_truth": [payload["ground_truth"]]}
-            gens, refs = paired_lists(payload, "generations", "ground_truth", limits)
+            gens, refs, truncated = extractor_lists(payload, limits)
+            with_embeddings = optional_flag(payload, "embeddings", True)
 
             def work():
                 try:
@@ -514,27 +604,81 @@ def create_app(
                     raise ComponentFailure(f"entity analysis raised {type(exc).__name__}: {exc}") from exc
                 if len(results) != len(gens):
                     raise ComponentFailure(f"entity analysis returned {len(results)} results for {len(gens)} pairs")
-                return {"predictions": {"analysis_results": results}}
+                if with_embeddings:
+                    try:
+                        results = _attach_embeddings(results, embedder)
+                    except Exception as exc:
+                        raise ComponentFailure(f"entity embeddings ({embedder.backend}) raised "
+                                               f"{type(exc).__name__}: {exc}") from exc
+                return {"predictions": {"analysis_results": results},
+                        "embedding_backend": embedder.backend if with_embeddings else None,
+                        "truncated": truncated}
 
             return await run(work)
 
-        return await guarded(request, handle)
+        return await answered(request, handle)
+
+    @app.post("/extract")
+    async def extract_route(request: Request):
+        async def handle(payload):
+            gens, refs, truncated = extractor_lists(payload, limits)
+
+            def work():
+                try:
+                    predictions = {"gen_annotations": _radgraph_annotations(gens),
+                                   "gt_annotations": _radgraph_annotations(refs)}
+                except Exception as exc:
+                    raise ComponentFailure(f"RadGraph-style extraction raised {type(exc).__name__}: {exc}") from exc
+                return {"predictions": predictions, "backend": "radgraph=rules", "truncated": truncated}
+
+            return await run(work)
+
+        return await answered(request, handle)
+
+    def radvlm_route(endpoint: radvlm_workers.Endpoint):
+        async def score(request: Request):
+            async def handle(payload):
+                try:
+                    pred, true = radvlm_workers.parse_score_request(payload)
+                except ValueError as exc:
+                    raise RequestError(str(exc)) from None
+                return await run(radvlm_workers.score_pair, endpoint, components[endpoint.component], pred, true,
+                                 fallbacks)
+
+            return await answered(request, handle, envelope=False)
+
+        return score
+
+    for endpoint in radvlm_workers.ENDPOINTS.values():
+        app.add_api_route(endpoint.path, radvlm_route(endpoint), methods=["POST"])
 
     @app.get("/health")
     async def health():
         known = sorted(components)
         return {
             "status": "ok",
+            "pid": os.getpid(),  # with several worker processes, which one answered (counts are per process)
             "components": known,
             "backends": {name: components[name].backend for name in known},
             "default_components": default,
+            "composite_weights": {name: COMPOSITE_WEIGHTS.get(name, 1.0) for name in default if name != FORMAT},
             "types": list(REPORT_TYPES),
             "limits": {"max_batch": limits.max_batch, "max_chars": limits.max_chars,
-                       "max_body_bytes": limits.max_body_bytes},
+                       "max_body_bytes": limits.max_body_bytes, "body_timeout": limits.body_timeout},
             "missing_editgrpo_keys": sorted(k for k, c in EDITGRPO_KEYS.items() if c not in components),
+            "entity_embedding_backend": embedder.backend,
+            "radvlm": {"routes": {e.path: {"component": e.component, "fallback": e.fallback,
+                                           "backend": components[e.component].backend}
+                                  for e in radvlm_workers.ENDPOINTS.values()},
+                       "fallbacks": fallbacks.snapshot()},
         }
 
     return app
+
+
+def _peer(request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "(unknown)"
 
 
 def app_from_env():
@@ -545,39 +689,97 @@ def app_from_env():
     return create_app(**json.loads(raw))
 
 
+# ----------------------------------------------------------------------------- serving
+
+
+def bind_sockets(host: str, port: int, count: int = 1) -> list[socket.socket]:
+    """Listening-ready sockets on ``port, port + 1, ..., port + count - 1`` (closed again if one fails).
+
+    Bound here rather than by uvicorn so that one set of processes can serve several
+    ports: RadVLM's clients spread requests over consecutive ports, one per worker.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"ports must be a positive integer, got {count!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not (0 <= port and port + count - 1 <= 65535):
+        raise ValueError(f"ports {port}..{port + count - 1} are not all valid port numbers")
+    if port == 0 and count > 1:
+        raise ValueError("--ports needs a fixed --port (the first of the consecutive ports)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for p in range(port, port + count):
+            # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY on accepted connections, without
+            # which a keep-alive client's next request waits out the 40 ms delayed-ACK timer.
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, p))
+            except OSError as exc:
+                raise OSError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from exc
+            sock.set_inheritable(True)  # worker processes inherit them
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 5000,
     workers: int = 1,
     token: str | None = None,
     *,
+    ports: int = 1,
     default_components: Sequence[str] = DEFAULT_COMPONENTS,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_chars: int = DEFAULT_MAX_CHARS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
     default_type: str = "short",
     scoring_threads: int = 1,
+    class_frequencies: str | None = None,
+    entity_embeddings: str = "auto",
+    entity_encoder: str | None = None,
     log_level: str = "info",
 ) -> None:
     """Run the reward server under uvicorn until interrupted.
 
-    ``workers > 1`` starts that many processes (each loads the components); their
-    settings travel in an environment variable, the token included.
+    It listens on ``ports`` consecutive ports from ``port`` (RadVLM's layout: one port per
+    worker, ``WORKER_BASE_PORT + i``); ``workers`` processes (each loading the
+    components) serve all of them, so the two numbers are independent: ``--ports``
+    matches the clients' port list, ``--workers`` the machine. With ``workers > 1``
+    the settings travel to the processes in an environment variable, the token included.
     """
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     settings = dict(default_components=list(default_components), token=token, max_batch=max_batch,
-                    max_chars=max_chars, max_body_bytes=max_body_bytes, default_type=default_type,
-                    scoring_threads=scoring_threads)
+                    max_chars=max_chars, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                    default_type=default_type, scoring_threads=scoring_threads, class_frequencies=class_frequencies,
+                    entity_embeddings=entity_embeddings, entity_encoder=entity_encoder)
     if host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("reward server listening on %s: reachable from other machines%s", host,
                        "" if token else " without a token (pass --token)")
-    if workers == 1:
-        uvicorn.run(create_app(**settings), host=host, port=port, log_level=log_level)
-        return
-    create_app(**settings)  # fail here, once, on bad settings rather than in every worker
-    os.environ[ENV_CONFIG] = json.dumps(settings)
-    uvicorn.run("grouprl.rewards.server:app_from_env", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level)
+    app = create_app(**settings)  # fail here, once, on bad settings rather than in every worker
+    sockets = bind_sockets(host, port, ports)
+    listening = ", ".join(f"{host}:{s.getsockname()[1]}" for s in sockets)
+    # uvicorn announces only the first port; say where every one is
+    print(f"grouprl reward server: {workers} process(es) listening on {listening}", file=sys.stderr, flush=True)
+    try:
+        if workers == 1:
+            config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+            uvicorn.Server(config).run(sockets=sockets)
+        else:
+            os.environ[ENV_CONFIG] = json.dumps(settings)
+            config = uvicorn.Config("grouprl.rewards.server:app_from_env", factory=True, host=host, port=port,
+                                    workers=workers, log_level=log_level)
+            Multiprocess(config, sockets=sockets).run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sock in sockets:
+            sock.close()

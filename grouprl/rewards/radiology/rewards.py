@@ -6,8 +6,10 @@
 Each reward compares a completion with the reference report in the ``answer``
 column through the named components of ``components.py``. ``type`` applies
 EditGRPO's response formats (``short`` needs ``\\boxed{}``, ``cot`` needs
-``<think>...</think>`` then ``\\boxed{}``): a completion without the required
-format scores 0, as on EditGRPO's reward server.
+``<think>...</think>`` then ``\\boxed{}``): in process a completion without the
+required format scores 0. (EditGRPO's reward server, and ``grouprl serve rewards``
+with it, instead drop only their format term and still score the content; these
+in-process sums have no format term, so they refuse the content instead.)
 """
 
 from __future__ import annotations
