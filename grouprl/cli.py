@@ -67,6 +67,21 @@ def cmd_export(args) -> int:
 def cmd_demo(args) -> int:
     from grouprl.demo import run_demo
 
+    if args.seeds is not None:
+        if not args.compare or args.guided or args.flow:
+            print("grouprl demo: --seeds K repeats the --compare demo over K seeds; use it with --compare "
+                  "(and without --guided or --flow)", file=sys.stderr)
+            return 2
+        from grouprl.demo import check_seed_dirs, run_compare_seeds
+
+        out = args.out or "runs/demo-compare"
+        try:  # before anything runs: K >= 1, and no seed directory holds another run's results
+            check_seed_dirs(out, seeds=args.seeds, seed=args.seed, quick=args.quick)
+        except ValueError as exc:
+            print(f"grouprl demo: {exc}", file=sys.stderr)
+            return 2
+        run_compare_seeds(out, seeds=args.seeds, seed=args.seed, quick=args.quick)
+        return 0
     if args.flow:
         if args.compare or args.guided:
             print("grouprl demo: --flow, --guided and --compare are separate demos; choose one", file=sys.stderr)
@@ -96,20 +111,36 @@ def _names(values: list[str] | None) -> list[str] | None:
 
 def cmd_eval(args) -> int:
     from grouprl.evaluation import EvalDataError, evaluate_file
+    from grouprl.rewards.judge import JudgeError, judge_from_options
 
     try:
-        summary = evaluate_file(args.data, args.out, components=_names(args.components), clean=args.clean,
-                                bootstrap=args.bootstrap, seed=args.seed, corpus=not args.no_corpus,
-                                corpus_bootstrap=args.corpus_bootstrap,
+        judge = None
+        if args.task == "conversation":
+            judge = judge_from_options(args.judge_base_url, args.judge_model, api_key_env=args.judge_api_key_env,
+                                       timeout=args.judge_timeout, max_retries=args.judge_retries,
+                                       concurrency=args.judge_concurrency)
+        summary = evaluate_file(args.data, args.out, task=args.task, components=_names(args.components),
+                                clean=args.clean, bootstrap=args.bootstrap, seed=args.seed, corpus=not args.no_corpus,
+                                corpus_bootstrap=args.corpus_bootstrap, iou_threshold=args.iou_threshold,
+                                box_labels=args.box_labels, judge=judge, judge_on_failure=args.judge_on_failure,
                                 progress=lambda message: print(message, file=sys.stderr))
     except (EvalDataError, ValueError) as exc:  # bad records, unknown components, bad options
         print(f"grouprl eval: {exc}", file=sys.stderr)
         return 2
+    except JudgeError as exc:  # the judge failed for a record after its retries: no score is made up
+        print(f"grouprl eval: {exc} (--judge-on-failure skip leaves such records unscored)", file=sys.stderr)
+        return 1
+    finally:
+        if judge is not None:
+            judge.close()
     for m in summary["metrics"]:
         value = "undefined" if m["value"] is None else f"{m['value']:.4f}"
         ci = f"  [{m['ci_low']:.4f}, {m['ci_high']:.4f}]" if m["ci_low"] is not None else ""
         print(f"{m['metric']:<40} {value}{ci}  ({m['backend']})")
-    print(f"wrote {args.out}/per_sample.csv, summary.json, summary.csv ({summary['n_samples']} samples)")
+    for record in summary.get("unscored", []):
+        print(f"unscored: id {record['id']!r}: {record['error']}", file=sys.stderr)
+    unscored = f", {summary['n_unscored']} unscored" if summary.get("n_unscored") else ""
+    print(f"wrote {args.out}/per_sample.csv, summary.json, summary.csv ({summary['n_samples']} samples{unscored})")
     return 0
 
 
@@ -125,7 +156,7 @@ def cmd_generate(args) -> int:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                       seed=args.seed, dtype=args.dtype, device=args.device, max_samples=args.max_samples,
                       max_prompt_length=args.max_prompt_length, load_kwargs=load,
-                      show_progress=not args.no_progress)
+                      show_progress=not args.no_progress, task=args.task)
     print(f"wrote {n} responses to {args.out}")
     return 0
 
@@ -136,12 +167,16 @@ def cmd_serve_rewards(args) -> int:
     from grouprl.rewards.server import serve
 
     token = args.token if args.token is not None else os.environ.get("GROUPRL_REWARD_TOKEN") or None
+    from grouprl.rewards.server import DEFAULT_COMPONENTS
+
     try:
-        serve(args.host, args.port, args.workers, token, default_components=_names(args.components) or
-              ["radgraphf1", "cxb14micro", "ratescore"], max_batch=args.max_batch, max_chars=args.max_chars,
-              max_body_bytes=args.max_body_bytes, default_type=args.default_type,
-              scoring_threads=args.scoring_threads, log_level=args.log_level)
-    except ValueError as exc:  # bad settings, unknown default components
+        serve(args.host, args.port, args.workers, token, ports=args.ports,
+              default_components=_names(args.components) or list(DEFAULT_COMPONENTS), max_batch=args.max_batch,
+              max_chars=args.max_chars, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+              default_type=args.default_type, scoring_threads=args.scoring_threads,
+              class_frequencies=args.class_frequencies, entity_embeddings=args.entity_embeddings,
+              entity_encoder=args.entity_encoder, log_level=args.log_level)
+    except (ValueError, OSError, ImportError) as exc:  # bad settings, missing files or packages, a busy port
         print(f"grouprl serve rewards: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -218,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Flow-GRPO-Fast on a tiny SD3 transformer drawing coloured squares (needs grouprl[diffusion]): "
                         "pretrain, then RL against a rule reward, compared on held-out prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, metavar="K",
+                   help="with --compare: run the comparison for seeds seed..seed+K-1 (each its own data, SFT and RL "
+                        "runs, in <out>/seed_<s>/; finished seeds are reused) and report means with 95%% t-intervals "
+                        "and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise (default out runs/demo-compare)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="write {id, response, answer} JSON lines from a model and a test set")
@@ -238,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", help="system prompt added to every sample")
     p.add_argument("--id-key", default="id", help="record field written as each output's 'id' (default id)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--task", default="report", choices=["report", "classification", "grounding", "conversation"],
+                   help="what grouprl eval --task will score (conversation also writes each record's 'history', "
+                        "the turns before the answer; default report)")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("eval", help="score {id, response, answer} records: per-sample CSV, summary with 95%% CIs")
@@ -252,6 +294,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bootstrap resamples for the corpus metrics' CIs (each recomputes the metric; default 0)")
     p.add_argument("--no-corpus", action="store_true", help="skip the corpus-level metrics")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="report", choices=["report", "classification", "grounding", "conversation"],
+                   help="RadVLM-GRPO's tasks: report (default; the report components), classification (findings-list "
+                        "set F1), grounding (box IoU with an optimal matching), conversation (an LLM judge's score)")
+    p.add_argument("--iou-threshold", type=float, default=0.5, help="grounding: IoU of a hit (default 0.5)")
+    p.add_argument("--box-labels", default="auto", choices=["auto", "ignore"],
+                   help="grounding: auto (default) matches only boxes of the same label when every box has one")
+    p.add_argument("--judge-base-url", help="conversation: OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1 "
+                                            "(default $GROUPRL_JUDGE_BASE_URL)")
+    p.add_argument("--judge-model", help="conversation: the judge's model name (default $GROUPRL_JUDGE_MODEL)")
+    p.add_argument("--judge-api-key-env", default="GROUPRL_JUDGE_API_KEY",
+                   help="conversation: environment variable holding the judge's bearer key (default "
+                        "GROUPRL_JUDGE_API_KEY; unset: no key sent)")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="conversation: seconds per judge request")
+    p.add_argument("--judge-retries", type=int, default=3, help="conversation: retries of a failed judge request")
+    p.add_argument("--judge-concurrency", type=int, default=4, help="conversation: judge requests in flight")
+    p.add_argument("--judge-on-failure", default="raise", choices=["raise", "skip"],
+                   help="conversation: raise (default) stops at a record the judge cannot score; skip leaves it "
+                        "unscored (empty in per_sample.csv, listed in summary.json), never 0")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("sample", help="choose training items: CheXPO hard-sample mining or uniform, "
@@ -278,18 +338,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run a server")
     serve_sub = p.add_subparsers(dest="server", required=True)
-    p = serve_sub.add_parser("rewards", help="the reward server (EditGRPO-compatible POST /predict, /analyze)")
+    p = serve_sub.add_parser("rewards", help="the reward server (EditGRPO's /predict, /analyze, /extract; "
+                                             "RadVLM-GRPO's /score_radcliq, /score_bertscore, /score_radgraph)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    p.add_argument("--port", type=int, default=5000, help="port (the first one with --ports)")
+    p.add_argument("--ports", type=int, default=1,
+                   help="listen on this many consecutive ports from --port, all served by every worker process "
+                        "(RadVLM's layout: --port $WORKER_BASE_PORT --ports $((WORKER_NUM_GPUS * "
+                        "WORKER_INSTANCES_PER_GPU)))")
+    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (each serves every port)")
     p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $GROUPRL_REWARD_TOKEN)")
     p.add_argument("--components", nargs="+",
-                   help="components scored when a request names none (default radgraphf1 cxb14micro ratescore)")
+                   help="components scored when a request names none (default: EditGRPO's composite radgraphf1 "
+                        "cxb14micro ratescore cxb_bal_acc_editgrpo format)")
     p.add_argument("--default-type", default="short", choices=["short", "cot", "free_form"],
                    help="report type of a request without 'type' (EditGRPO's server: short)")
+    p.add_argument("--class-frequencies", metavar="JSON",
+                   help="EditGRPO's class-frequency file for cxb_bal_acc_editgrpo (default: per pair)")
+    p.add_argument("--entity-embeddings", default="auto", choices=["auto", "encoder", "ngram"],
+                   help="/analyze entity embeddings: the sentence encoder (grouprl[metrics]), hashed character "
+                        "n-grams, or auto (the encoder when installed)")
+    p.add_argument("--entity-encoder", metavar="DIR", help="local encoder directory for --entity-embeddings encoder")
     p.add_argument("--max-batch", type=int, default=1024, help="most reports per request")
-    p.add_argument("--max-chars", type=int, default=20000, help="longest report, in characters")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body")
+    p.add_argument("--max-chars", type=int, default=20000,
+                   help="reports and references are scored up to this many characters; the rest is cut and the "
+                        "answer lists the cut ones")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (else 413)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive (else 408)")
     p.add_argument("--scoring-threads", type=int, default=1, help="threads scoring requests (per worker)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve_rewards)

@@ -15,6 +15,13 @@ F1, BLEU/ROUGE/METEOR/CIDEr corpus scores), and writes into the output directory
   (samples resampled with replacement, seeded), and the corpus metrics (their
   intervals are bootstrapped too when ``corpus_bootstrap`` > 0).
 
+``task`` picks what the predictions answer (RadVLM-GRPO's tasks): ``report`` (the
+default, above), or ``classification``, ``grounding`` and ``conversation``, scored by
+:mod:`grouprl.rewards.radiology.radvlm_tasks` (findings-list set F1, box IoU with an
+optimal matching, an LLM judge) into the same three files, with the same intervals.
+A conversation record also carries ``history``, the turns before the answer, which
+``grouprl generate --task conversation`` writes.
+
 Every file is written to a temporary name and renamed into place, so an
 interrupted run never leaves a half-written result that looks complete.
 """
@@ -56,6 +63,10 @@ DEFAULT_EVAL_COMPONENTS = ("radgraphf1", "cxb14micro", "cxb_bal_acc", "ratescore
                            "bleu2", "bleu3", "bleu4", "rougeL", "cider", "bertscore", "radcliq")
 
 
+# What the predictions answer: RadVLM-GRPO's tasks. `report` is EditGRPO's report evaluation.
+TASKS = ("report", "classification", "grounding", "conversation")
+
+
 class EvalDataError(ValueError):
     """A predictions file that cannot be evaluated; the message names the file, record and field."""
 
@@ -63,12 +74,13 @@ class EvalDataError(ValueError):
 # ----------------------------------------------------------------------------- reading
 
 
-def read_predictions(path: str | os.PathLike) -> list[dict[str, str]]:
+def read_predictions(path: str | os.PathLike, *, keep: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Read ``{id, response, answer}`` records from a JSON list or a JSON-lines file.
 
     ``dicom_id`` stands in for a missing ``id`` (as EditGRPO's evaluation allows);
     ids are kept as strings and must be unique. ``response`` may be empty (a model
-    can generate nothing), ``answer`` may not.
+    can generate nothing), ``answer`` may not. The fields named in ``keep`` are
+    carried along when a record has them (a task's own fields, e.g. ``history``).
     """
     path = Path(path)
     if not path.is_file():
@@ -99,7 +111,8 @@ def read_predictions(path: str | os.PathLike) -> list[dict[str, str]]:
                                     f"got {type(record[field]).__name__}")
         if not record["answer"].strip():
             raise EvalDataError(f"{where} (id {rid!r}): field 'answer' is empty; a reference report is needed")
-        out.append({"id": rid, "response": record["response"], "answer": record["answer"]})
+        out.append({"id": rid, "response": record["response"], "answer": record["answer"],
+                    **{k: record[k] for k in keep if k in record}})
     if not out:
         raise EvalDataError(f"{path}: no records")
     return out
@@ -270,6 +283,7 @@ def evaluate_file(
     data: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
+    task: str = "report",
     components: Sequence[str] | None = None,
     clean: bool = False,
     bootstrap: int = 1000,
@@ -277,16 +291,25 @@ def evaluate_file(
     corpus: bool = True,
     corpus_bootstrap: int = 0,
     progress: Callable[[str], None] | None = None,
+    iou_threshold: float = 0.5,
+    box_labels: str = "auto",
+    judge: Any = None,
+    judge_on_failure: str = "raise",
 ) -> dict[str, Any]:
     """Score a predictions file and write ``per_sample.csv``, ``summary.json`` and ``summary.csv``.
 
+    ``task``: one of :data:`TASKS` (default ``report``; the others: see
+    :func:`evaluate_task_records`).
     ``components``: the per-sample components (default: those of
-    :data:`DEFAULT_EVAL_COMPONENTS` that are registered).
+    :data:`DEFAULT_EVAL_COMPONENTS` that are registered); the report task only.
     ``clean``: apply EditGRPO's evaluation cleaning to responses and answers.
     ``bootstrap``: resamples for the confidence intervals (0: no intervals).
     ``corpus``: also compute the corpus-level metrics that are available;
     ``corpus_bootstrap``: resamples for their intervals (each resample recomputes
-    the metric, so this costs ``corpus_bootstrap`` times the metric). Returns the
+    the metric, so this costs ``corpus_bootstrap`` times the metric).
+    ``iou_threshold`` and ``box_labels`` (``auto`` / ``ignore``): the grounding task's
+    hit threshold and label matching; ``judge`` (a :class:`grouprl.rewards.judge.ChatJudge`)
+    and ``judge_on_failure`` (``raise`` / ``skip``): the conversation task's. Returns the
     summary (what ``summary.json`` holds).
     """
     from grouprl.rewards.server import load_report_components
@@ -295,6 +318,15 @@ def evaluate_file(
         raise ValueError(f"bootstrap must be a non-negative number of resamples, got {bootstrap!r}")
     if isinstance(corpus_bootstrap, bool) or not isinstance(corpus_bootstrap, int) or corpus_bootstrap < 0:
         raise ValueError(f"corpus_bootstrap must be a non-negative number of resamples, got {corpus_bootstrap!r}")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if task != "report":
+        if components:
+            raise ValueError(f"components name report score components; the {task} task has its own metrics")
+        return evaluate_task_records(data, out_dir, task, clean=clean, bootstrap=bootstrap, seed=seed, corpus=corpus,
+                                     corpus_bootstrap=corpus_bootstrap, progress=progress,
+                                     iou_threshold=iou_threshold, box_labels=box_labels, judge=judge,
+                                     judge_on_failure=judge_on_failure)
     say = progress or (lambda message: None)
     records = read_predictions(data)
     registry = load_report_components()
@@ -340,10 +372,103 @@ def evaluate_file(
     atomic_write_text(out / "per_sample.csv", _csv_text(columns, rows))
     summary = {
         "data": str(Path(data)),
+        "task": "report",
         "n_samples": len(records),
         "cleaned": bool(clean),
         "components": names,
         "backends": backends,
+        "bootstrap": {"resamples": bootstrap, "corpus_resamples": corpus_bootstrap if corpus else 0,
+                      "seed": seed, "confidence": CONFIDENCE, "method": "percentile"},
+        "metrics": [m.row() for m in metrics],
+    }
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary_rows = [[m.metric, _number(m.value), _number(m.ci_low), _number(m.ci_high), m.backend] for m in metrics]
+    atomic_write_text(out / "summary.csv", _csv_text(["metric", "value", "ci_low", "ci_high", "backend"], summary_rows))
+    return summary
+
+
+def evaluate_task_records(
+    data: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    task: str,
+    *,
+    clean: bool = False,
+    bootstrap: int = 1000,
+    seed: int = 0,
+    corpus: bool = True,
+    corpus_bootstrap: int = 0,
+    progress: Callable[[str], None] | None = None,
+    iou_threshold: float = 0.5,
+    box_labels: str = "auto",
+    judge: Any = None,
+    judge_on_failure: str = "raise",
+) -> dict[str, Any]:
+    """Score a predictions file for one of RadVLM-GRPO's other tasks; the same three files as the report task.
+
+    ``classification``: per-sample findings-list set F1 and exact match, corpus micro
+    and macro scores. ``grounding``: per-sample matched IoU and precision / recall /
+    F1 at ``iou_threshold``, corpus (pooled) precision / recall / F1. ``conversation``:
+    the judge's score per sample; records the judge could not score (only with
+    ``judge_on_failure="skip"``) are empty in ``per_sample.csv``, left out of the means
+    and listed under ``unscored`` in the summary. Means get percentile-bootstrap
+    intervals over the scored samples; corpus metrics get them with ``corpus_bootstrap``.
+    """
+    from grouprl.rewards.radiology.radvlm_tasks import TASK_FIELDS, score_task
+
+    say = progress or (lambda message: None)
+    records = read_predictions(data, keep=TASK_FIELDS[task])
+    if clean:
+        for record, hyp, ref in zip(records, clean_texts([r["response"] for r in records]),
+                                    clean_texts([r["answer"] for r in records])):
+            record["response"], record["answer"] = hyp, ref
+    say(f"scoring {len(records)} {task} predictions")
+    scores = score_task(task, records, source=str(Path(data)), iou_threshold=iou_threshold, labels=box_labels,
+                        judge=judge, on_failure=judge_on_failure)
+    metrics: list[Metric] = []
+    for name, values in scores.per_sample.items():
+        scored = [v for v in values if v is not None]
+        bad = [v for v in scored if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"{task} metric {name!r} has a non-finite value ({bad[0]})")
+        if not scored:  # every record unscored: the mean is undefined, not 0
+            metrics.append(Metric(name, None, None, None, scores.backends[name], "sample_mean"))
+            continue
+        low, high = bootstrap_ci(scored, bootstrap, seed) if bootstrap else (None, None)
+        metrics.append(Metric(name, float(np.mean(scored)), low, high, scores.backends[name], "sample_mean"))
+    if corpus and scores.corpus is not None:
+        # The records' indices stand in for hypotheses, so the corpus-metric machinery
+        # (flattening, resampled intervals) applies unchanged.
+        def fn(indices, _refs):
+            return scores.corpus(indices)
+
+        indices = list(range(len(records)))
+        values = flatten_corpus_result(task, fn(indices, indices), scores.corpus_backend)
+        intervals = _corpus_intervals(task, fn, indices, indices, corpus_bootstrap, seed, scores.corpus_backend)
+        for metric, (value, backend) in values.items():
+            low, high = intervals.get(metric, (None, None))
+            metrics.append(Metric(metric, value, low, high, backend, "corpus"))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(scores.per_sample)
+    columns = ["id", *(f"{name}[{scores.backends[name]}]" for name in names)]
+    rows = [[r["id"], *(_number(scores.per_sample[name][i]) for name in names)] for i, r in enumerate(records)]
+    atomic_write_text(out / "per_sample.csv", _csv_text(columns, rows))
+    options: dict[str, Any] = {}
+    if task == "grounding":
+        options = {"iou_threshold": iou_threshold, "box_labels": box_labels}
+    elif task == "conversation":
+        options = {"judge": scores.backends["judge_score"], "judge_on_failure": judge_on_failure}
+    summary = {
+        "data": str(Path(data)),
+        "task": task,
+        "n_samples": len(records),
+        "n_unscored": len(scores.unscored),
+        "unscored": scores.unscored,
+        "cleaned": bool(clean),
+        "components": names,
+        "backends": scores.backends,
+        "options": options,
         "bootstrap": {"resamples": bootstrap, "corpus_resamples": corpus_bootstrap if corpus else 0,
                       "seed": seed, "confidence": CONFIDENCE, "method": "percentile"},
         "metrics": [m.row() for m in metrics],
@@ -419,6 +544,7 @@ def generate_file(
     max_prompt_length: int | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
     show_progress: bool = True,
+    task: str = "report",
 ) -> int:
     """Generate a report for every sample of ``data`` and write ``{id, response, answer}`` JSON lines to ``out``.
 
@@ -427,6 +553,11 @@ def generate_file(
     ``image_dir``, ``system_prompt``, ...). ``device``: ``auto`` (CUDA when
     available), ``cpu`` or ``cuda[:i]``. The output file appears only when every
     sample is done. Returns the number of records written.
+
+    ``task`` (one of :data:`TASKS`) says what ``grouprl eval --task`` will score: the
+    reference is the record's final answer in every task, and ``conversation`` records
+    also get ``history``, the turns the answer was generated from (LLaVA
+    ``{"from", "value"}`` turns, ``<image>`` where an image was).
     """
     import torch
 
@@ -437,6 +568,8 @@ def generate_file(
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     samples = load_samples(data, max_samples=max_samples, **dict(load_kwargs or {}))
     if len(samples) == 0:
         raise EvalDataError(f"{data}: no samples to generate for")
@@ -462,8 +595,10 @@ def generate_file(
                 call = dataclasses.replace(params, seed=None if seed is None else seed + start)
                 rollout = engine.generate(batch, call)
                 for sample, response in zip(batch, rollout.responses):
-                    f.write(json.dumps({"id": sample.id, "response": response, "answer": sample.answer},
-                                       ensure_ascii=False) + "\n")
+                    record = {"id": sample.id, "response": response, "answer": sample.answer}
+                    if task == "conversation":
+                        record["history"] = llava_turns(sample.messages)
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
                     written += 1
                 advance(len(batch))
             f.flush()
@@ -474,6 +609,20 @@ def generate_file(
             os.unlink(tmp)
         raise
     return written
+
+
+_LLAVA_SPEAKERS = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def llava_turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages (a Sample's prompt) as LLaVA turns ``{"from", "value"}``, images as ``<image>``."""
+    turns = []
+    for message in messages:
+        content = message["content"]
+        text = content if isinstance(content, str) else "".join(
+            "<image>" if item["type"] == "image" else item.get("text", "") for item in content)
+        turns.append({"from": _LLAVA_SPEAKERS.get(message["role"], message["role"]), "value": text})
+    return turns
 
 
 class _progress:

@@ -279,3 +279,16 @@ def test_generate_round_trip(components, tmp_path):
     assert main(["eval", "--data", str(out), "--out", str(tmp_path / "eval"), "--components", "e_overlap",
                  "--bootstrap", "50"]) == 0
     assert len(read_csv(tmp_path / "eval" / "per_sample.csv")) == 5
+
+
+def test_tasks_other_than_report(tmp_path):
+    data = write_json(tmp_path / "p.json", [{"id": 1, "response": "a", "answer": "b", "history": [], "x": 1}])
+    assert read_predictions(data) == [{"id": "1", "response": "a", "answer": "b"}]  # the report task: as before
+    assert read_predictions(data, keep=("history", "missing")) == [{"id": "1", "response": "a", "answer": "b",
+                                                                     "history": []}]
+    with pytest.raises(ValueError, match="unknown task 'vqa'; tasks: report, classification, grounding"):
+        evaluate_file(data, tmp_path / "o", task="vqa")
+    with pytest.raises(ValueError, match="components name report score components; the grounding task"):
+        evaluate_file(data, tmp_path / "o", task="grounding", components=["bleu1"])
+    summary = evaluate_file(data, tmp_path / "o", task="classification", bootstrap=10)
+    assert summary["task"] == "classification" and summary["components"] == ["set_f1", "exact_match"]

@@ -169,3 +169,89 @@ def test_write_dataset_round_trip(tmp_path, format):
     assert not [p for p in (tmp_path / "data").rglob(".*")]
     with pytest.raises(ValueError, match="format"):
         write_dataset(tmp_path, 1, seed=0, format="parquet")
+
+
+# ---------------------------------------------------------------- boxes of the drawing (grounding tasks)
+
+
+def _drawn(name, value, seed):
+    """The film of one layout without and with one finding (same noise), and the finding's boxes."""
+    from grouprl.data.synthetic_cxr import finding_boxes, paint
+
+    layout = sample_layout(np.random.default_rng(seed))
+    absent = {f: 0 for f in FINDINGS}
+    present = dict(absent, **{name: value})
+    before = pixels(paint(absent, layout, np.random.default_rng(100 + seed), SIZE))
+    after = pixels(paint(present, layout, np.random.default_rng(100 + seed), SIZE))
+    return np.abs(after - before), finding_boxes(present, layout)[name], layout
+
+
+@pytest.mark.parametrize("name,value", [(n, 1) for n in FINDINGS] +
+                         [(n, -1) for n in FINDINGS if n not in ("cardiomegaly", "support_device")])
+def test_finding_boxes_hold_what_is_drawn(name, value):
+    from grouprl.rewards.radiology.grounding import Box, box_iou
+
+    for seed in range(4):
+        diff, boxes, layout = _drawn(name, value, seed)
+        assert boxes and all(0 <= b[0] < b[2] <= 1 and 0 <= b[1] < b[3] <= 1 for b in boxes)
+        if name == "edema":
+            assert len(boxes) == 2 and boxes[0][2] < 0.5 < boxes[1][0]  # one per lung, patient's right first
+        if name == "support_device":
+            assert len(boxes) == len(layout.devices)
+        inside = np.zeros(diff.shape, bool)
+        for x1, y1, x2, y2 in boxes:  # one film pixel of slack: the boxes are exact on a finer grid
+            inside[max(0, int(y1 * SIZE) - 1):int(np.ceil(y2 * SIZE)) + 1,
+                   max(0, int(x1 * SIZE) - 1):int(np.ceil(x2 * SIZE)) + 1] = True
+        strong = diff > 0.5 * diff.max()
+        assert not (strong & ~inside).any(), (name, seed)  # every clearly changed pixel is in a box
+        assert diff[inside].sum() >= 0.9 * diff.sum(), (name, seed)  # and nearly all of the change
+        # and the boxes are not loose: they hug the clearly changed region
+        rows, cols = np.flatnonzero(strong.any(axis=1)), np.flatnonzero(strong.any(axis=0))
+        changed = Box(cols[0] / SIZE, rows[0] / SIZE, (cols[-1] + 1) / SIZE, (rows[-1] + 1) / SIZE)
+        union = Box(min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes),
+                    max(b[3] for b in boxes))
+        assert box_iou(changed, union) >= 0.5, (name, seed, box_iou(changed, union))
+
+
+def test_nodule_box_is_the_drawn_disc():
+    from grouprl.data.synthetic_cxr import BOX_RESOLUTION, _nodule_center, finding_boxes
+
+    for seed in range(5):
+        layout = sample_layout(np.random.default_rng(seed))
+        for value, radius in ((1, None), (-1, 0.027)):
+            nx, ny, r = _nodule_center(layout)
+            r = radius or r
+            cx, cy = nx + layout.shift[0], ny + layout.shift[1]  # the film is drawn shifted by layout.shift
+            (box,) = finding_boxes({"nodule": value}, layout)["nodule"]
+            assert box == pytest.approx((cx - r, cy - r, cx + r, cy + r), abs=1.5 / BOX_RESOLUTION)
+
+
+def test_region_boxes_follow_the_anatomy():
+    from grouprl.data.synthetic_cxr import REGIONS, region_boxes
+
+    for seed in range(3):
+        layout = sample_layout(np.random.default_rng(seed))
+        normal = region_boxes({}, layout)
+        assert list(normal) == list(REGIONS)
+        assert normal["right lung"][2] < 0.5 < normal["left lung"][0]  # the patient's right on the image left
+        for side in ("right", "left"):
+            lung = normal[f"{side} lung"]
+            zones = [normal[f"{side} {z} lung zone"] for z in ("upper", "mid", "lower")]
+            assert zones[0][1] == lung[1] and zones[2][3] == lung[3]  # the zones split the lung's height
+            assert zones[0][3] == zones[1][1] and zones[1][3] == zones[2][1]
+            heights = [z[3] - z[1] for z in zones]
+            assert max(heights) - min(heights) <= 2 / 400
+        heart = normal["cardiac silhouette"]
+        assert heart[0] < layout.heart[0] + layout.shift[0] < heart[2]
+        big = region_boxes({"cardiomegaly": 1}, layout)["cardiac silhouette"]
+        assert big[2] - big[0] > heart[2] - heart[0]  # drawn enlarged, boxed enlarged
+        trachea = normal["trachea"]
+        assert trachea[1] == 0.0 and abs((trachea[0] + trachea[2]) / 2 - 0.5 - layout.shift[0]) < 0.01
+
+
+def test_report_task_output_is_unchanged_by_the_other_tasks(tmp_path):
+    default = write_dataset(tmp_path / "a", 4, seed=2)
+    named = write_dataset(tmp_path / "b", 4, seed=2, task="report", prompts=(PROMPTS[0],))
+    write_dataset(tmp_path / "a", 4, seed=2, task="classification", name="classification")  # same directory
+    assert default.read_text() == named.read_text() == write_dataset(tmp_path / "c", 4, seed=2).read_text()
+    assert all(set(r) == {"id", "image", "conversations", "findings"} for r in json.loads(default.read_text()))

@@ -398,6 +398,34 @@ def _negation_sentences(negated: list[str], findings, rng, fill) -> list[str]:
     return out
 
 
+def finding_sentence(name: str, status: int, layout: Layout, rng: np.random.Generator, *,
+                     device: str | None = None) -> str:
+    """One report sentence for one present finding (``status`` 1, or -1 hedged), in the
+    reports' own phrasing and with the film's sides, sites and grades; ``device`` names
+    which support device (one of ``layout.devices``) a ``support_device`` sentence is about."""
+    if status not in (1, -1):
+        raise ValueError(f"finding_sentence: {name} must be present (1 or -1), got {status!r}")
+    if name == "support_device":
+        if device not in layout.devices:
+            raise ValueError(f"finding_sentence: device must be one of the film's {layout.devices}, got {device!r}")
+        return _pick(rng, DEVICE[device])
+    key = "effusion" if name.endswith("_effusion") else name
+    where: dict[str, str] = {}
+    if key == "effusion":
+        side = name.split("_")[0]
+        where = {"side": side, "size": FILLERS["size"][layout.effusion_grade[side]]}
+    elif key == "pneumothorax":
+        where = {"side": layout.pneumothorax_side, "size": FILLERS["size"][layout.pneumothorax_grade]}
+    elif key == "nodule":
+        where = {"side": layout.nodule_side, "zone": layout.nodule_zone}
+    elif key == "consolidation":
+        where = {"side": layout.consolidation_side, "lobe": layout.consolidation_lobe}
+    templates = UNCERTAIN[key] if status == -1 and key in UNCERTAIN else POSITIVE[key]
+    template = _pick(rng, templates)
+    slots = {**_grade_words(layout), **where}
+    return _sentence(template, **{s: slots[s] for s in _slots(template)})
+
+
 # ---------------------------------------------------------------- the film
 #
 # Coordinates are fractions of the image: x to the image right (the patient's left),
@@ -642,6 +670,13 @@ def _nodule(x, y, layout: Layout, faint: bool, px: float) -> np.ndarray:
 def _pneumothorax(img, x, y, layout: Layout, lungs, faint: bool, px: float) -> np.ndarray:
     """Air around a collapsed apex: a black rim without markings, bounded by the thin
     bright pleural line of the lung's edge."""
+    air, line = _pneumothorax_layers(x, y, layout, lungs, faint, px)
+    img = img * (1 - air) + 0.02 * air
+    return img + 0.22 * line
+
+
+def _pneumothorax_layers(x, y, layout: Layout, lungs, faint: bool, px: float) -> tuple[np.ndarray, np.ndarray]:
+    """The pleural air and the pleural line of a pneumothorax, each 0 to 1."""
     side = layout.pneumothorax_side
     cx, cy, rx, ry = layout.lungs[side]
     gap = 0.0 if faint else (0.0, 0.06, 0.12)[layout.pneumothorax_grade]
@@ -651,9 +686,8 @@ def _pneumothorax(img, x, y, layout: Layout, lungs, faint: bool, px: float) -> n
     # Only the upper, lateral part of the pleural space fills with air.
     upper = _soft(y - (cy + 0.05), 4 * px)
     air = lungs[side] * _soft(-edge, px) * upper
-    img = img * (1 - air) + 0.02 * air
     line = _soft(np.abs(edge) - 0.6 * px, px) * lungs[side] * upper
-    return img + 0.22 * line
+    return air, line
 
 
 def _effusion(x, y, layout: Layout, side: str, grade: int, px: float) -> np.ndarray:
@@ -681,10 +715,15 @@ def _heart(img, x, y, layout: Layout, enlarged: bool, px: float) -> np.ndarray:
 
 def _mediastinum(img, x, y, layout: Layout, px: float) -> np.ndarray:
     """The mediastinum down the midline to the heart, and the trachea's air column in it."""
-    mediastinum = _soft(np.abs(x - 0.5) - 0.06, 2 * px) * _soft(y - layout.heart[1], 2 * px)
+    mediastinum, trachea = _mediastinum_layers(x, y, layout, px)
     img = np.maximum(img, (layout.tissue + 0.14) * mediastinum + img * (1 - mediastinum))
-    trachea = _soft(np.abs(x - 0.5) - 0.016, 1.5 * px) * _soft(y - 0.3, 3 * px)
     return img - 0.2 * trachea
+
+
+def _mediastinum_layers(x, y, layout: Layout, px: float) -> tuple[np.ndarray, np.ndarray]:
+    mediastinum = _soft(np.abs(x - 0.5) - 0.06, 2 * px) * _soft(y - layout.heart[1], 2 * px)
+    trachea = _soft(np.abs(x - 0.5) - 0.016, 1.5 * px) * _soft(y - 0.3, 3 * px)
+    return mediastinum, trachea
 
 
 def _ribs(x, y, layout: Layout, px: float) -> np.ndarray:
@@ -703,18 +742,117 @@ def _devices(x, y, layout: Layout, px: float) -> np.ndarray:
     value = 0.9
     out = np.zeros_like(x)
     for device in layout.devices:
-        if device == "ett":
-            shape = _soft(_polyline_distance(x, y, [(0.5, 0.0), (0.5, 0.26)]) - 0.01, px)
-        elif device == "line":  # right internal jugular: the image left of the neck into the SVC
-            shape = _soft(_polyline_distance(x, y, _curve((0.36, 0.0), (0.40, 0.2), (0.46, 0.36))) - 0.008, px)
-        elif device == "ng":  # down the oesophagus, into the stomach under the left hemidiaphragm
-            shape = _soft(_polyline_distance(x, y, _curve((0.49, 0.0), (0.49, 0.8), (0.66, 0.86))) - 0.008, px)
-        else:  # a pacemaker in the left chest wall, its lead curving into the heart
-            box = np.maximum(np.abs(x - 0.8) - 0.055, np.abs(y - 0.2) - 0.04)
-            lead = _polyline_distance(x, y, _curve((0.78, 0.2), (0.55, 0.25), (0.52, 0.62)))
-            shape = np.maximum(_soft(box, px), _soft(lead - 0.006, px))
-        out = np.maximum(out, value * shape)
+        out = np.maximum(out, value * _device_shape(x, y, device, px))
     return out
+
+
+def _device_shape(x, y, device: str, px: float) -> np.ndarray:
+    if device == "ett":
+        return _soft(_polyline_distance(x, y, [(0.5, 0.0), (0.5, 0.26)]) - 0.01, px)
+    if device == "line":  # right internal jugular: the image left of the neck into the SVC
+        return _soft(_polyline_distance(x, y, _curve((0.36, 0.0), (0.40, 0.2), (0.46, 0.36))) - 0.008, px)
+    if device == "ng":  # down the oesophagus, into the stomach under the left hemidiaphragm
+        return _soft(_polyline_distance(x, y, _curve((0.49, 0.0), (0.49, 0.8), (0.66, 0.86))) - 0.008, px)
+    # a pacemaker in the left chest wall, its lead curving into the heart
+    box = np.maximum(np.abs(x - 0.8) - 0.055, np.abs(y - 0.2) - 0.04)
+    lead = _polyline_distance(x, y, _curve((0.78, 0.2), (0.55, 0.25), (0.52, 0.62)))
+    return np.maximum(_soft(box, px), _soft(lead - 0.006, px))
+
+
+# ---------------------------------------------------------------- where things are drawn
+#
+# Boxes for the grounding tasks, from the same shape functions ``paint`` draws with,
+# evaluated on a fine grid of the film: a box is the smallest one holding every grid
+# pixel where the thing's own layer is at least half on (the midpoint of its soft edge).
+# Coordinates are fractions of the image, (x1, y1, x2, y2), x to the image right, y down.
+
+BOX_RESOLUTION = 400  # grid pixels per side: boxes are exact to 1/400 of the image
+DEVICE_NAMES = {"ett": "endotracheal tube", "line": "central venous catheter", "pacemaker": "pacemaker",
+                "ng": "nasogastric tube"}
+REGIONS: tuple[str, ...] = (
+    "right lung", "left lung",
+    "right upper lung zone", "right mid lung zone", "right lower lung zone",
+    "left upper lung zone", "left mid lung zone", "left lower lung zone",
+    "cardiac silhouette", "upper mediastinum", "trachea",
+)
+
+BoxCoords = tuple[float, float, float, float]
+
+
+def _box_grid(layout: Layout, n: int):
+    coords = (np.arange(n, dtype=np.float32) + 0.5) / n
+    x, y = np.meshgrid(coords - layout.shift[0], coords - layout.shift[1])
+    return x, y, 1.0 / n
+
+
+def _mask_box(mask: np.ndarray) -> BoxCoords:
+    """The box of a mask's true pixels, pixel edges included, as fractions of the grid."""
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    if rows.size == 0:
+        raise ValueError("nothing is drawn there: an empty mask has no box")
+    n_rows, n_cols = mask.shape
+    return (float(cols[0] / n_cols), float(rows[0] / n_rows), float((cols[-1] + 1) / n_cols),
+            float((rows[-1] + 1) / n_rows))
+
+
+def finding_boxes(findings: dict[str, int], layout: Layout, *,
+                  resolution: int = BOX_RESOLUTION) -> dict[str, list[BoxCoords]]:
+    """Where each present finding is drawn on the film of ``layout``: name -> its boxes.
+
+    One box per finding, except edema (diffuse: one box per lung, patient's right
+    first) and support devices (one per device, in ``layout.devices`` order). Faint
+    (-1) findings get the box of their faint drawing.
+    """
+    x, y, px = _box_grid(layout, resolution)
+    lungs = {side: _lung_mask(x, y, layout, side, 1.5 * px) for side in SIDES}
+    out: dict[str, list[BoxCoords]] = {}
+    for name in FINDINGS:
+        status = findings.get(name, 0)
+        if status == 0:
+            continue
+        if name == "cardiomegaly":
+            layers = [_heart(np.zeros_like(x), x, y, layout, status == 1, px)[1]]
+        elif name.endswith("_effusion"):
+            side = name.split("_")[0]
+            grade = 0 if status == -1 else layout.effusion_grade[side]
+            layers = [lungs[side] * _effusion(x, y, layout, side, grade, px)]
+        elif name == "pneumothorax":
+            layers = [_pneumothorax_layers(x, y, layout, lungs, status == -1, px)[0]]
+        elif name == "nodule":
+            layers = [_nodule(x, y, layout, status == -1, px) / 0.42]  # 0.42: the nodule's full brightness
+        elif name == "consolidation":
+            # 0.32: the patch's full brightness
+            layers = [lungs[layout.consolidation_side] * _consolidation(x, y, layout, px) / 0.32]
+        elif name == "edema":
+            layers = [lungs["right"], lungs["left"]]
+        else:
+            layers = [_device_shape(x, y, device, px) for device in layout.devices]
+        out[name] = [_mask_box(layer >= 0.5) for layer in layers]
+    return out
+
+
+def region_boxes(findings: dict[str, int], layout: Layout, *, resolution: int = BOX_RESOLUTION) -> dict[str, BoxCoords]:
+    """The anatomical regions of :data:`REGIONS` on the film (the cardiac silhouette as drawn,
+    enlarged with cardiomegaly); a lung's upper, mid and lower zones are the thirds of its height."""
+    x, y, px = _box_grid(layout, resolution)
+    out: dict[str, BoxCoords] = {}
+    zones = {}
+    for side in ("right", "left"):
+        lung = _lung_mask(x, y, layout, side, 1.5 * px) >= 0.5
+        out[f"{side} lung"] = _mask_box(lung)
+        rows = np.flatnonzero(lung.any(axis=1))
+        cuts = np.linspace(rows[0], rows[-1] + 1, 4).round().astype(int)
+        for zone, start, stop in zip(("upper", "mid", "lower"), cuts[:-1], cuts[1:]):
+            band = np.zeros_like(lung)
+            band[start:stop] = lung[start:stop]
+            zones[f"{side} {zone} lung zone"] = _mask_box(band)
+    out.update(zones)
+    out["cardiac silhouette"] = _mask_box(
+        _heart(np.zeros_like(x), x, y, layout, findings.get("cardiomegaly", 0) == 1, px)[1] >= 0.5)
+    mediastinum, trachea = _mediastinum_layers(x, y, layout, px)
+    out["upper mediastinum"] = _mask_box(mediastinum >= 0.5)
+    out["trachea"] = _mask_box(trachea >= 0.5)
+    return {name: out[name] for name in REGIONS}
 
 
 # ---------------------------------------------------------------- studies
@@ -771,7 +909,8 @@ def write_dataset(
     image_size: int = 112,
     format: str = "llava",
     name: str = "data",
-    prompts: Sequence[str] = (PROMPT,),
+    prompts: Sequence[str] | None = None,
+    task: str = "report",
 ) -> Path:
     """Write ``n`` studies as PNGs under ``directory/images/`` and a data file; return its path.
 
@@ -779,19 +918,43 @@ def write_dataset(
     ``format="easyr1"``: ``{name}.jsonl``, one ``{"problem", "answer", "images", "id"}``
     per line. Every record also has ``findings`` (the ground-truth labels) for
     evaluation. Image paths are relative to the data file. Record ``i`` uses
-    ``prompts[i % len(prompts)]``. Files are written to a temporary name and then
-    renamed, so a reader never sees a half-written file.
+    ``prompts[i % len(prompts)]`` (default: :data:`PROMPT`). Files are written to a
+    temporary name and then renamed, so a reader never sees a half-written file.
+
+    ``task``: ``report`` (the default: report generation, as above) or one of
+    RadVLM-GRPO's other tasks (``classification``, ``anatomical_grounding``,
+    ``abnormality_grounding``, ``phrase_grounding``, ``conversation``), whose records
+    :mod:`grouprl.data.synthetic_cxr_tasks` writes from the same studies (ids
+    ``<study id>-<task>``; phrase grounding skips studies with no finding; the
+    conversation task is LLaVA only). ``prompts`` belong to the report task.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if not prompts:
-        raise ValueError("prompts must name at least one prompt")
+    if task == "report":
+        prompts = (PROMPT,) if prompts is None else prompts
+        if not prompts:
+            raise ValueError("prompts must name at least one prompt")
+    else:
+        from grouprl.data.synthetic_cxr_tasks import TASKS, task_record
+
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if prompts is not None:
+            raise ValueError(f"prompts are the report task's; the {task} task writes its own questions")
+        if format == "easyr1" and task == "conversation":
+            raise ValueError("the conversation task has several turns; write it with format='llava'")
     root = Path(directory)
     (root / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i in range(n):
         study = generate_study(i, seed=seed, image_size=image_size)
         relative = f"images/{study.id}.png"
+        if task != "report":
+            record = task_record(study, task, seed=seed, index=i, image=relative, format=format)
+            if record is not None:
+                _atomic_png(study.image, root / relative)
+                records.append(record)
+            continue
         _atomic_png(study.image, root / relative)
         prompt = prompts[i % len(prompts)]
         if format == "llava":
