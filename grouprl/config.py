@@ -253,8 +253,12 @@ class VerifierConfig:
     # key stays out of the saved config; one written here is saved with it, prefer the variable.
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     timeout: float = 300.0  # http: seconds per request
-    max_retries: int = 3  # http: repeats of a failed request (so max_retries + 1 attempts)
-    retry_backoff: float = 1.0  # http: seconds before the first repeat, doubling after each
+    # http: repeats of a failed request (so max_retries + 1 attempts), after the server's Retry-After,
+    # else 0.5 s doubling up to 8 s (the openai SDK's back-off)
+    max_retries: int = 3
+    # No longer used: the openai SDK sets the back-off. Kept so that a config naming it fails with a
+    # clear message instead of an unknown key; set it and check() says what to do.
+    retry_backoff: float | None = None
     http_concurrency: int = 4  # http: most requests in flight
     model_path: str | None = None  # local: the verifier checkpoint (a directory or hub id)
     tokenizer_path: str | None = None  # local: None = model_path
@@ -301,8 +305,11 @@ class VerifierConfig:
             raise ConfigError(f"config key '{key}.timeout' must be > 0 seconds; got {self.timeout}")
         if self.max_retries < 0:
             raise ConfigError(f"config key '{key}.max_retries' must be >= 0; got {self.max_retries}")
-        if self.retry_backoff < 0:
-            raise ConfigError(f"config key '{key}.retry_backoff' must be >= 0 seconds; got {self.retry_backoff}")
+        if self.retry_backoff is not None:
+            raise ConfigError(f"config key '{key}.retry_backoff' is no longer supported: the http verifier's "
+                              f"retries wait as the openai client does (the server's Retry-After, else 0.5 s "
+                              f"doubling up to 8 s); remove the key, and bound the retries with "
+                              f"'{key}.max_retries' and '{key}.timeout'")
         if self.http_concurrency < 1:
             raise ConfigError(f"config key '{key}.http_concurrency' must be >= 1; got {self.http_concurrency}")
         if self.use_http and self.backend not in ("auto", "http"):

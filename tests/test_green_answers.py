@@ -191,6 +191,8 @@ class FakeJudge:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if status != 200:
+                    self.send_header("retry-after-ms", "1")  # a retry may follow at once: fast tests
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -238,10 +240,25 @@ def test_fake_server_scores_batch_dedups_and_limits_concurrency(fake_judge):
 
 def test_retries_transient_errors_then_succeeds(fake_judge):
     fake_judge.script = [(503, "overloaded"), (429, "slow down")]
+    started = time.monotonic()
     with _judge(fake_judge, max_retries=3) as judge:
         result = judge.judge("Clear lungs.", "Normal.")
     assert result.score == 1.0
     assert len(fake_judge.requests) == 3
+    assert time.monotonic() - started < 1.0  # the server's retry-after-ms: 1 was honoured, not the SDK's 0.5 s
+
+
+def test_retries_share_one_budget_and_name_the_row(fake_judge):
+    def reply(content):
+        return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+    # row 0 answered; row 1: an unusable reply, asked again, then 503s
+    fake_judge.script = [reply(NO_ERRORS), reply("I cannot assess this.")] + [(503, "overloaded")] * 3
+    with _judge(fake_judge, max_retries=2, concurrency=1) as judge:
+        with pytest.raises(GreenError, match=r"failed after 3 attempts for row 1; last error: HTTP 503"):
+            judge.score(["Clear lungs.", "Garbage."], ["Normal.", "Normal."])
+    # 1 for row 0, 3 for row 1 (the re-asked reply and the SDK's retries share max_retries): never more
+    assert len(fake_judge.requests) == 4
 
 
 def test_client_error_is_not_retried(fake_judge):
@@ -265,12 +282,12 @@ def test_server_down_raises_after_retries(monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     waits = []
-    monkeypatch.setattr(green_module.time, "sleep", waits.append)
-    with GreenJudge(f"http://127.0.0.1:{port}/v1", "green-test", max_retries=2, backoff=0.05, timeout=2) as judge:
-        with pytest.raises(GreenError, match="failed after 3 attempts") as info:
+    monkeypatch.setattr(time, "sleep", waits.append)  # the openai SDK's sync retries sleep with time.sleep
+    with GreenJudge(f"http://127.0.0.1:{port}/v1", "green-test", max_retries=2, timeout=2) as judge:
+        with pytest.raises(GreenError, match="failed after 3 attempts for row 0") as info:
             judge.score(["Clear lungs."], ["Normal."])
-    assert "Connect" in str(info.value)
-    assert len(waits) == 2 and waits[1] > waits[0] >= 0.05  # it backed off, exponentially, between attempts
+    assert "Connect" in str(info.value) and green_module.GreenJudge is GreenJudge
+    assert len(waits) == 2 and waits[1] > waits[0] > 0  # it backed off, exponentially, between attempts
 
 
 def test_green_component_reads_environment(fake_judge, monkeypatch):

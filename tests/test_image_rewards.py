@@ -377,6 +377,7 @@ class FakeJudge:
         self.seen: list[dict] = []  # per request: headers, body, the decoded image's format and size, the text
         self.fail: list[int] = []  # statuses to answer with first, one per request
         self.status: int | None = None  # answer every request with this status
+        self.retry_after: dict[str, str] = {"retry-after-ms": "1"}  # sent with failures: retries follow at once
         self.required_key: str | None = None
         self.reply: Callable[[dict], str] = lambda seen: "The image matches well.\nFinal Score: 4"
         self.delay = 0.0
@@ -417,7 +418,8 @@ def create_app(judge: FakeJudge):
             return JSONResponse({"error": {"message": f"bad request: {exc!r}"}}, status_code=400)
         status = judge.fail.pop(0) if judge.fail else judge.status
         if status is not None:
-            return JSONResponse({"error": {"message": f"told to answer {status}"}}, status_code=status)
+            return JSONResponse({"error": {"message": f"told to answer {status}"}}, status_code=status,
+                                headers=judge.retry_after)
         content = judge.reply(record)
         return {"id": "x", "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
@@ -461,7 +463,7 @@ def call(server):
     """Score with the vlm_judge through the real entry point (a spec), options defaulted for tests."""
 
     def call(images, prompts, metadata=None, **options):
-        kwargs = {"base_url": server[1], "model": "judge-vl", "retry_backoff": 0.01, "timeout": 5.0, **options}
+        kwargs = {"base_url": server[1], "model": "judge-vl", "timeout": 5.0, **options}
         result = score_images([{"name": "vlm_judge", "kwargs": kwargs}], images, prompts, metadata,
                               allow_unscored=True)
         return result.components["vlm_judge"]
@@ -509,8 +511,7 @@ def test_judge_failing_after_retries_raises_naming_url_and_row(judge, server):
     judge.status = 500
     images, prompts = [solid("red")], ["a"]
     with pytest.raises(JudgeError) as exc:
-        asyncio.run(rewards.vlm_judge_reward(images, prompts, base_url=server[1], max_retries=2,
-                                             retry_backoff=0.01))
+        asyncio.run(rewards.vlm_judge_reward(images, prompts, base_url=server[1], max_retries=2))
     err = exc.value
     assert err.url == server[1] + "/chat/completions" and err.row == 0 and err.attempts == 3 and err.status == 500
     assert f"{server[1]}/chat/completions failed for row 0 after 3 attempt(s) (last status 500)" in str(err)
@@ -563,12 +564,11 @@ def test_judge_ocr_mode(judge, call):
     assert all(seen["text"] == rewards.OCR_PROMPT and seen["size"] == (32, 16) for seen in judge.seen)
 
 
-def test_retry_after_is_honoured_within_bounds():
-    httpx = pytest.importorskip("httpx")
-    assert rewards._retry_after(httpx.Response(429, headers={"retry-after": "0.05"})) == 0.05
-    assert rewards._retry_after(httpx.Response(503, headers={"retry-after": "1e9"})) == 60.0
-    assert rewards._retry_after(httpx.Response(503, headers={"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"})) is None
-    assert rewards._retry_after(httpx.Response(500)) is None
+def test_retry_after_is_honoured(judge, call):
+    judge.fail, judge.retry_after = [429], {"retry-after": "0.6"}  # longer than the client's own first wait, 0.5 s
+    started = time.monotonic()
+    assert call([solid("red")], ["a"], max_retries=1) == [pytest.approx(0.8)]
+    assert time.monotonic() - started >= 0.6 and len(judge.seen) == 2
 
 
 def test_judge_option_errors(judge, call):
@@ -576,4 +576,6 @@ def test_judge_option_errors(judge, call):
         call([solid("red")], ["a"], mode="pickscore")
     with pytest.raises(RewardError, match="needs the option 'base_url'"):
         score_images(["vlm_judge"], [solid("red")], ["a"])
+    with pytest.raises(RewardError, match="'retry_backoff' is no longer supported.*Retry-After.*'max_retries'"):
+        call([solid("red")], ["a"], retry_backoff=1.0)
     assert judge.seen == []

@@ -256,6 +256,8 @@ class FakeJudge:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
+                    if status != 200:
+                        self.send_header("retry-after-ms", "1")  # a retry may follow at once: fast tests
                     self.end_headers()
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)

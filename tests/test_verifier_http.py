@@ -39,6 +39,7 @@ class FakeLLM:
         self.seen: list[dict] = []  # {"t", "headers", "body"} per request, in arrival order
         self.fail: list[int] = []  # statuses to answer with first, one per request
         self.status: int | None = None  # answer every request with this status
+        self.retry_after: dict[str, str] = {"retry-after-ms": "1"}  # sent with failures: retries follow at once
         self.delay = 0.0
         self.required_key: str | None = None
         self.reply: Callable[[dict], str] = lambda body: DEFAULT_REPLY
@@ -65,7 +66,8 @@ def create_app(llm: FakeLLM) -> FastAPI:
             return JSONResponse({"error": {"message": "invalid api key"}}, status_code=401)
         status = llm.fail.pop(0) if llm.fail else llm.status
         if status is not None:
-            return JSONResponse({"error": {"message": f"told to answer {status}"}}, status_code=status)
+            return JSONResponse({"error": {"message": f"told to answer {status}"}}, status_code=status,
+                                headers=llm.retry_after)
         text = llm.reply(body)
         choice = {"index": 0, "text": text} if llm.as_text else {"index": 0, "message": {"role": "assistant",
                                                                                          "content": text}}
@@ -109,8 +111,7 @@ def make(server):
     built = []
 
     def make(**values) -> HTTPVerifier:
-        values = {"backend": "http", "base_url": server[1], "model": "teacher", "retry_backoff": 0.01,
-                  "timeout": 5.0, **values}
+        values = {"backend": "http", "base_url": server[1], "model": "teacher", "timeout": 5.0, **values}
         verifier = build_verifier(VerifierConfig(**values))
         built.append(verifier)
         return verifier
@@ -169,16 +170,27 @@ def test_the_key_comes_from_the_environment(llm, make, monkeypatch):
 # ---------------------------------------------------------------------------- retries and failures
 
 
-@pytest.mark.parametrize("status", [500, 503, 429])
-def test_retries_with_backoff_then_success(llm, make, status):
-    llm.fail = [status, status]
-    verifier = make(retry_backoff=0.1, max_retries=3)
+@pytest.mark.parametrize("status, header, value", [(500, "retry-after-ms", "600"), (503, "retry-after", "0.6"),
+                                                   (429, "retry-after-ms", "600")])
+def test_retries_after_the_servers_retry_after_then_success(llm, make, status, header, value):
+    llm.fail, llm.retry_after = [status, status], {header: value}
+    verifier = make(max_retries=3)
     (out,) = verifier.reply_many([request("a")])
     assert not out.failed and out.text == DEFAULT_REPLY
     times = [s["t"] for s in llm.seen]
     assert len(times) == 3
-    assert times[1] - times[0] >= 0.1 and times[2] - times[1] >= 0.2  # back-off doubles
-    assert out.latency_s >= 0.3 and verifier.failures == 0
+    # Retry-After honoured: 0.6 s is longer than the client's own first waits (at most 0.5 s, then 1 s)
+    assert times[1] - times[0] >= 0.6 and times[2] - times[1] >= 0.6
+    assert out.latency_s >= 1.2 and verifier.failures == 0
+
+
+def test_retry_backoff_is_refused_naming_the_key(llm):
+    from grouprl.config import ConfigError
+
+    config = VerifierConfig(backend="http", base_url="http://127.0.0.1:9/v1", model="m", retry_backoff=1.0)
+    with pytest.raises(ConfigError, match=r"'worker.rollout.verifier.retry_backoff' is no longer supported.*"
+                                          r"Retry-After.*'worker.rollout.verifier.max_retries'"):
+        build_verifier(config)
 
 
 def test_a_400_is_not_retried(llm, make):

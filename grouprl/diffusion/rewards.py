@@ -51,6 +51,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, UnusableReply, excerpt
 from grouprl.rewards.contract import RewardError, RewardResult, RewardSpec, reward_keys
 from grouprl.rewards.registry import RewardLoadError, _load_from_file, _load_from_module, _qualified_name
 
@@ -646,7 +647,7 @@ def unified_reward_score(reply: str, *, row: int, url: str) -> float:
     """
     x = parse_final_score(reply)
     if x is None:
-        raise JudgeError(f"VLM judge {url} gave no 'Final Score: x' line for row {row}; reply: {_excerpt(reply)}",
+        raise JudgeError(f"VLM judge {url} gave no 'Final Score: x' line for row {row}; reply: {excerpt(reply)}",
                          url=url, row=row)
     if not 1.0 <= x <= 5.0:
         raise JudgeError(f"VLM judge {url} gave Final Score {x:g} for row {row}, off the 1-5 scale", url=url, row=row)
@@ -672,7 +673,7 @@ def judge_messages(data_url: str, text: str) -> list[dict[str, Any]]:
 async def vlm_judge_reward(
     images: Sequence[Any], prompts: Sequence[str], *, base_url: str | None = None, model: str = "",
     mode: str = "unified_reward", api_key: str | None = None, text: Sequence[str | None] | None = None,
-    timeout: float = 60.0, max_retries: int = 3, retry_backoff: float = 1.0, concurrency: int = 8,
+    timeout: float = 60.0, max_retries: int = 3, retry_backoff: float | None = None, concurrency: int = 8,
     max_tokens: int = 1024, temperature: float = 0.0, **metadata: Any,
 ) -> list[float | None]:
     """A VLM judge behind an OpenAI-compatible ``POST {base_url}/chat/completions`` (vLLM, SGLang, a hosted API).
@@ -685,33 +686,36 @@ async def vlm_judge_reward(
       the target (:func:`ocr_targets`: the ``text`` column or the prompt's quoted text;
       a row without one gets None and is not sent).
 
-    The bearer key is ``api_key`` or ``$GROUPRL_JUDGE_API_KEY``. At most ``concurrency``
-    requests are in flight; each gets ``timeout`` seconds and is retried up to
-    ``max_retries`` times with back-off ``retry_backoff * 2**k`` (longer when the
-    server sends ``Retry-After``) on timeouts, connection errors, 5xx and 429. A call
-    still failing, another HTTP error or an unusable reply raises :class:`JudgeError`
-    naming the URL and the row (the first failure cancels the batch's other requests).
+    The bearer key is ``api_key`` or ``$GROUPRL_JUDGE_API_KEY`` (neither: no
+    Authorization header). Requests go through the ``openai`` SDK
+    (:class:`grouprl.rewards.chat_endpoint.ChatEndpoint`); at most ``concurrency`` are
+    in flight; each gets ``timeout`` seconds and is retried up to ``max_retries`` times
+    on timeouts, connection errors, 408, 409, 429 and 5xx, after the server's
+    ``Retry-After`` or else 0.5 s doubling up to 8 s (``retry_backoff`` is no longer
+    accepted: the SDK sets the back-off). A call still failing, another HTTP error or
+    an unusable reply raises :class:`JudgeError` naming the URL and the row (the first
+    failure cancels the batch's other requests).
     """
-    try:
-        import httpx
-    except ImportError as exc:
-        raise ImportError("the 'vlm_judge' image reward needs httpx: pip install httpx") from exc
     if mode not in JUDGE_MODES:
         raise ValueError(f"vlm_judge: mode must be one of {', '.join(JUDGE_MODES)}, got {mode!r}")
     if not base_url:
         raise ValueError("vlm_judge needs the option 'base_url' (e.g. http://host:8000/v1)")
+    if retry_backoff is not None:
+        raise ValueError("vlm_judge: the option 'retry_backoff' is no longer supported: retries wait as the openai "
+                         "client does (the server's Retry-After, else 0.5 s doubling up to 8 s); remove it, and "
+                         "bound the retries with 'max_retries' and 'timeout'")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"vlm_judge: concurrency must be a positive integer, got {concurrency!r}")
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(f"vlm_judge: max_retries must be a non-negative integer, got {max_retries!r}")
-    url = _chat_completions_url(base_url)
     key = api_key if api_key is not None else os.environ.get(JUDGE_API_KEY_ENV) or None
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    endpoint = ChatEndpoint(base_url, api_key=key, timeout=timeout, max_retries=max_retries, connections=concurrency,
+                            extra="judge", user="the 'vlm_judge' image reward")
+    url = endpoint.url
     targets = ocr_targets(prompts, text) if mode == "ocr" else [None] * len(images)
     limit = asyncio.Semaphore(concurrency)
-    call = _JudgeCall(url=url, headers=headers, timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff)
 
-    async def one(client: Any, row: int) -> float | None:
+    async def one(row: int) -> float | None:
         if mode == "ocr" and targets[row] is None:
             return None
         instruction = OCR_PROMPT if mode == "ocr" else UNIFIED_REWARD_PROMPT.format(prompt=prompts[row])
@@ -720,14 +724,23 @@ async def vlm_judge_reward(
             data_url = await asyncio.to_thread(image_data_url, images[row])
             body = {"model": model, "messages": judge_messages(data_url, instruction),
                     "max_tokens": max_tokens, "temperature": temperature}
-            reply = await call.reply(client, body, row)
+            try:
+                reply = await endpoint.acomplete(body)
+            except UnusableReply as exc:
+                raise JudgeError(f"VLM judge {url} answered row {row} without a reply text: {exc}", url=url,
+                                 row=row, attempts=exc.attempts, status=exc.status) from None
+            except ChatCallError as exc:
+                what = (f"refused row {row}" if exc.refused else
+                        f"failed for row {row} after {exc.attempts} attempt(s) "
+                        f"(last status {exc.status if exc.status is not None else 'none'})")
+                raise JudgeError(f"VLM judge {url} {what}: {exc}", url=url, row=row, attempts=exc.attempts,
+                                 status=exc.status) from None
         if mode == "ocr":
-            return ocr_score(reply, targets[row])
-        return unified_reward_score(reply, row=row, url=url)
+            return ocr_score(reply.text, targets[row])
+        return unified_reward_score(reply.text, row=row, url=url)
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        tasks = [asyncio.ensure_future(one(client, row)) for row in range(len(images))]
+    try:
+        tasks = [asyncio.ensure_future(one(row)) for row in range(len(images))]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -736,85 +749,8 @@ async def vlm_judge_reward(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-
-
-class _Retryable(Exception):
-    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class _JudgeCall:
-    """One endpoint's request policy: headers, timeout, retries with exponential back-off."""
-
-    url: str
-    headers: dict[str, str]
-    timeout: float
-    max_retries: int
-    retry_backoff: float
-
-    async def reply(self, client: Any, body: dict[str, Any], row: int) -> str:
-        """The reply text for ``row``; raises :class:`JudgeError` when it cannot be had."""
-        import httpx
-
-        attempts, last_error, last_status, retry_after = 0, "", None, None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(max(self.retry_backoff * 2 ** (attempt - 1), retry_after or 0.0))
-            attempts += 1
-            try:
-                response = await client.post(self.url, json=body, headers=self.headers)
-                return self._content(response, row, attempts)
-            except _Retryable as exc:
-                last_error, last_status, retry_after = str(exc), exc.status, exc.retry_after
-            except httpx.TimeoutException as exc:
-                last_error, last_status, retry_after = (
-                    f"timed out after {self.timeout:g} s ({type(exc).__name__})", None, None)
-            except httpx.TransportError as exc:  # connection refused or reset: the server may be restarting
-                last_error, last_status, retry_after = f"{type(exc).__name__}: {exc or 'connection failed'}", None, None
-        raise JudgeError(
-            f"VLM judge {self.url} failed for row {row} after {attempts} attempt(s) "
-            f"(last status {last_status if last_status is not None else 'none'}): {last_error}",
-            url=self.url, row=row, attempts=attempts, status=last_status,
-        )
-
-    def _content(self, response: Any, row: int, attempts: int) -> str:
-        status = response.status_code
-        if status >= 500 or status == 429:
-            raise _Retryable(f"HTTP {status}: {_excerpt(response.text)}", status, _retry_after(response))
-        if status != 200:  # the server answered and refused (bad key, bad request): repeating cannot help
-            raise JudgeError(f"VLM judge {self.url} refused row {row}: HTTP {status}: {_excerpt(response.text)}",
-                             url=self.url, row=row, attempts=attempts, status=status)
-        try:
-            content = response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            content = None
-        if not isinstance(content, str):
-            raise JudgeError(f"VLM judge {self.url} answered row {row} without choices[0].message.content: "
-                             f"{_excerpt(response.text)}", url=self.url, row=row, attempts=attempts, status=status)
-        return content
-
-
-def _chat_completions_url(base_url: str) -> str:
-    """``http://host:8000/v1`` (or the endpoint itself) -> ``http://host:8000/v1/chat/completions``."""
-    url = base_url.strip().rstrip("/")
-    return url if url.endswith("/chat/completions") else url + "/chat/completions"
-
-
-def _retry_after(response: Any) -> float | None:
-    """A 429/503's ``Retry-After`` in seconds (capped at a minute), when the server sends one as a number."""
-    try:
-        seconds = float(response.headers.get("retry-after") or "nan")
-    except ValueError:  # the HTTP-date form: rare from model servers; the back-off applies
-        return None
-    return min(max(seconds, 0.0), 60.0) if math.isfinite(seconds) else None
-
-
-def _excerpt(text: str) -> str:
-    text = (text or "").strip()
-    return repr(text[:300]) if text else "(empty)"
+    finally:
+        await endpoint.aclose()
 
 
 @register_image_reward("shapes")

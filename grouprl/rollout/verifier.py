@@ -12,12 +12,14 @@ token; a ``[SCORE] hallucination_detect=0|1`` line judges the last turn.
 Backends (``worker.rollout.verifier.backend``):
 
 - ``http``: an OpenAI-compatible ``POST {base_url}/chat/completions`` server (vLLM,
-  SGLang, a hosted API). Requests run concurrently (at most ``http_concurrency``),
-  retried with exponential back-off on connection errors, timeouts, 5xx and 429.
-  A call that still fails is never hidden: with ``on_failure: stop`` it ends its
-  dialogue as the seed does, but the reply says ``failed=True``, the failure is
-  counted (:attr:`Verifier.failures`) and logged; with ``on_failure: fail`` it
-  raises :class:`VerifierError`.
+  SGLang, a hosted API), called through the ``openai`` SDK
+  (:class:`grouprl.rewards.chat_endpoint.ChatEndpoint`). Requests run concurrently (at
+  most ``http_concurrency``); the SDK retries connection errors, timeouts, 408, 409,
+  429 and 5xx (after the server's Retry-After, else 0.5 s doubling up to 8 s). A call
+  that still fails is never hidden: with ``on_failure: stop`` it ends its dialogue as
+  the seed does, but the reply says ``failed=True``, the failure is counted
+  (:attr:`Verifier.failures`) and logged; with ``on_failure: fail`` it raises
+  :class:`VerifierError`.
 - ``local``: a transformers checkpoint loaded with its real weights (the seed built
   its local verifier on random weights), prompted through its own chat template and
   sampled with the verifier's settings by grouprl's ``hf`` engine.
@@ -32,7 +34,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import math
 import os
 import re
 import threading
@@ -42,6 +43,7 @@ from fractions import Fraction
 from typing import Any
 
 from grouprl.config import ConfigError, VerifierConfig
+from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, chat_completions_url
 # The final-answer rules live with the rewards (the format reward uses them too); re-exported here
 # because a dialogue's STOP depends on them.
 from grouprl.rewards.rule_based import (  # noqa: F401
@@ -257,34 +259,28 @@ def build_verifier(config: VerifierConfig, *, tokenizer=None) -> Verifier:
 # ---------------------------------------------------------------------------- http
 
 
-class _Retryable(Exception):
-    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-
 class HTTPVerifier(Verifier):
     """A verifier behind an OpenAI-compatible ``/chat/completions`` endpoint.
 
     Requests run on a private event loop in a daemon thread, so ``reply_many`` works
-    from plain code and from inside a running event loop alike, and one
-    ``httpx.AsyncClient`` keeps its connections across the turns of a rollout.
+    from plain code and from inside a running event loop alike, and one async client
+    keeps its connections across the turns of a rollout.
     """
 
     backend = "http"
 
     def __init__(self, config: VerifierConfig, *, tokenizer=None) -> None:
         super().__init__(config, tokenizer=tokenizer)
-        try:
-            import httpx  # noqa: F401  (fail at build time, not at the first rollout)
-        except ImportError as exc:
-            raise ImportError("the http verifier needs httpx: pip install 'grouprl[guided]'") from exc
-        self.url = _chat_completions_url(config.base_url)
+        if not config.base_url:
+            raise ConfigError("config key 'worker.rollout.verifier.base_url' is required by the http verifier")
+        self.url = chat_completions_url(config.base_url)
         self.api_key = config.api_key if config.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        # made now: a missing openai fails the build, not the first rollout
+        self.endpoint = ChatEndpoint(config.base_url, api_key=self.api_key, timeout=config.timeout,
+                                     max_retries=config.max_retries, connections=config.http_concurrency,
+                                     extra="guided", user="the http verifier")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._http = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the private loop
@@ -308,9 +304,8 @@ class HTTPVerifier(Verifier):
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None:
             return
-        if self._http is not None:
-            http, self._http = self._http, None
-            asyncio.run_coroutine_threadsafe(http.aclose(), loop).result(timeout=10)
+        # the async client's connections belong to the private loop: closed there
+        asyncio.run_coroutine_threadsafe(self.endpoint.aclose(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
@@ -318,13 +313,6 @@ class HTTPVerifier(Verifier):
     # ------------------------------------------------------------------ requests
 
     async def _areply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
-        # Runs on the private loop only: the client's connections belong to that loop.
-        import httpx
-
-        if self._http is None:
-            limits = httpx.Limits(max_connections=self.config.http_concurrency,
-                                  max_keepalive_connections=self.config.http_concurrency)
-            self._http = httpx.AsyncClient(timeout=self.config.timeout, limits=limits)
         limit = asyncio.Semaphore(self.config.http_concurrency)
 
         async def one(request: VerifierRequest) -> VerifierReply:
@@ -350,106 +338,24 @@ class HTTPVerifier(Verifier):
             body["top_k"] = c.top_k
         return body
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
     async def _request(self, request: VerifierRequest) -> VerifierReply:
-        import httpx
-
-        payload, headers = self.payload(request), self._headers()
-        attempts, last_error, last_status, retry_after = 0, "", None, None
         started = time.monotonic()
-        for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                delay = self.config.retry_backoff * 2 ** (attempt - 1)
-                await asyncio.sleep(max(delay, retry_after or 0.0))
-            attempts += 1
-            try:
-                response = await self._http.post(self.url, json=payload, headers=headers)
-                raw, tokens = self._parse(response)
-                return self._reply(raw, latency_s=time.monotonic() - started, tokens=tokens)
-            except _Retryable as exc:
-                last_error, last_status, retry_after = str(exc), exc.status, exc.retry_after
-            except _Refused as exc:  # the server answered and refused: repeating cannot help
-                last_error, last_status = str(exc), exc.status
-                break
-            except httpx.TimeoutException as exc:
-                last_error, last_status, retry_after = (
-                    f"timed out after {self.config.timeout:g} s ({type(exc).__name__})", None, None)
-            except httpx.TransportError as exc:
-                last_error, last_status, retry_after = f"{type(exc).__name__}: {exc or 'connection failed'}", None, None
-        elapsed = time.monotonic() - started
-        message = (f"verifier {self.url} failed after {attempts} attempt(s) over {elapsed:.1f} s "
-                   f"(last status {last_status if last_status is not None else 'none'}): {last_error}")
-        if self.config.on_failure == "fail":
-            self.failures += 1
-            raise VerifierError(message, url=self.url, attempts=attempts, status=last_status)
-        return self._failed(message, latency_s=elapsed)
-
-    def _parse(self, response) -> tuple[str, int | None]:
-        """The reply text and its token count from an answer; raise _Retryable or _Refused otherwise."""
-        status = response.status_code
-        if status >= 500 or status == 429:
-            raise _Retryable(f"HTTP {status}: {_body_excerpt(response)}", status, _retry_after(response))
-        if status != 200:
-            raise _Refused(f"HTTP {status}: {_body_excerpt(response)}", status)
         try:
-            body = response.json()
-            choice = body["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise _Refused(f"HTTP 200 without choices[0]: {_body_excerpt(response)}", status) from None
-        message = choice.get("message") if isinstance(choice, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, str):
-            content = choice.get("text") if isinstance(choice, dict) else None  # the completions-style answer
-        if not isinstance(content, str):
-            raise _Refused(f"HTTP 200 with neither choices[0].message.content nor choices[0].text: "
-                           f"{_body_excerpt(response)}", status)
-        usage = body.get("usage") if isinstance(body, dict) else None
-        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if isinstance(tokens, bool) or not isinstance(tokens, int):
-            tokens = None
-        return content, tokens
+            # An HTTP 200 without a reply text is refused like a 400: repeating the request cannot help.
+            reply = await self.endpoint.acomplete(self.payload(request))
+        except ChatCallError as exc:
+            elapsed = time.monotonic() - started
+            message = (f"verifier {self.url} failed after {exc.attempts} attempt(s) over {elapsed:.1f} s "
+                       f"(last status {exc.status if exc.status is not None else 'none'}): {exc}")
+            if self.config.on_failure == "fail":
+                self.failures += 1
+                raise VerifierError(message, url=self.url, attempts=exc.attempts, status=exc.status) from None
+            return self._failed(message, latency_s=elapsed)
+        return self._reply(reply.text, latency_s=time.monotonic() - started, tokens=reply.tokens)
 
     def __repr__(self) -> str:
         return (f"HTTPVerifier({self.url!r}, model={self.config.model!r}, "
                 f"http_concurrency={self.config.http_concurrency}, key={'set' if self.api_key else 'none'})")
-
-
-class _Refused(Exception):
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-def _chat_completions_url(base_url: str | None) -> str:
-    """``http://host:8000/v1`` (or the endpoint itself) -> ``http://host:8000/v1/chat/completions``."""
-    if not base_url:
-        raise ConfigError("config key 'worker.rollout.verifier.base_url' is required by the http verifier")
-    url = base_url.strip().rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    return url + "/chat/completions"
-
-
-def _body_excerpt(response) -> str:
-    text = response.text.strip()
-    return text[:300] if text else "(empty body)"
-
-
-def _retry_after(response) -> float | None:
-    """A 429/503's ``Retry-After`` in seconds (capped at a minute), when the server sends one."""
-    value = response.headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:  # the HTTP-date form: rare from model servers; the back-off applies
-        return None
-    return min(max(seconds, 0.0), 60.0) if math.isfinite(seconds) else None
 
 
 # ---------------------------------------------------------------------------- local

@@ -24,10 +24,12 @@ with ``(a) ...: <count>.`` lines, ``[Matched Findings]: <count>. ...``), which t
 fine-tuned GREEN models produce; :func:`parse_green_reply` also reads markdown
 variants, numbered categories, number words and a JSON object. A reply that cannot be
 parsed is retried and then raises :class:`GreenError`: a judge failure never becomes a
-score of 0. Requests retry with exponential backoff on connection errors, timeouts,
-HTTP 408/409/425/429/5xx and unusable replies; other HTTP errors (401, 404, ...) raise
-at once. Identical pairs in a batch are judged once; at most ``concurrency`` requests
-are in flight. Needs ``httpx`` (``pip install 'grouprl[green]'``).
+score of 0. The requests go through :class:`grouprl.rewards.judge.ChatJudge` (the
+``openai`` SDK): connection errors, timeouts and HTTP 408/409/429/5xx are retried
+(after the server's Retry-After, else 0.5 s doubling up to 8 s), unusable replies are
+asked again after ``backoff * 2 ** (k - 1)`` seconds; other HTTP errors (401, 404, ...)
+raise at once. Identical pairs in a batch are judged once; at most ``concurrency``
+requests are in flight. Needs ``openai`` and ``httpx`` (``pip install 'grouprl[green]'``).
 
 The registered ``green`` component reads its endpoint from the environment:
 ``GROUPRL_GREEN_BASE_URL`` (e.g. ``http://127.0.0.1:8000/v1``), ``GROUPRL_GREEN_MODEL``
@@ -40,15 +42,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from grouprl.rewards.chat_endpoint import require_openai
+from grouprl.rewards.judge import ChatJudge, JudgeError
 from grouprl.rewards.radiology.components import register_component
-
-_EXTRA_HINT = "pip install 'grouprl[green]'"
 
 SIGNIFICANT_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("false_finding", "False report of a finding in the candidate"),
@@ -59,8 +58,6 @@ SIGNIFICANT_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("omitted_comparison", "Omitting a comparison detailing a change from a prior study"),
 )
 CATEGORY_KEYS = tuple(key for key, _ in SIGNIFICANT_CATEGORIES)
-
-_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 class GreenError(RuntimeError):
@@ -335,9 +332,10 @@ class GreenJudge:
 
     ``base_url`` is the API root (``http://127.0.0.1:8000/v1``); requests go to
     ``{base_url}/chat/completions`` with ``Authorization: Bearer {api_key}`` when a key
-    is given. ``max_retries`` is the number of further attempts after the first one;
-    the wait before retry k (k = 1, 2, ...) is ``backoff * 2 ** (k - 1)`` seconds,
-    or the server's Retry-After when it gives one (capped at 60 s).
+    is given, through a :class:`grouprl.rewards.judge.ChatJudge`. ``max_retries`` is the
+    number of further attempts after the first one, shared by transient failures
+    (retried by the ``openai`` SDK: the server's Retry-After, else 0.5 s doubling up to
+    8 s) and unusable replies (asked again after ``backoff * 2 ** (k - 1)`` seconds).
     """
 
     base_url: str
@@ -359,8 +357,12 @@ class GreenJudge:
         if self.max_retries < 0 or self.concurrency < 1 or self.timeout <= 0 or self.backoff < 0:
             raise ValueError("need max_retries >= 0, concurrency >= 1, timeout > 0 and backoff >= 0")
         self.base_url = self.base_url.rstrip("/")
-        self._client = None
-        self._client_lock = threading.Lock()
+        require_openai("GREEN", "green")
+        # api_key "" and no variable: the key is api_key or none (judge_from_env reads GROUPRL_GREEN_API_KEY)
+        self._judge = ChatJudge(self.base_url, self.model, api_key=self.api_key or "", api_key_env="",
+                                timeout=self.timeout, max_retries=self.max_retries, backoff=self.backoff,
+                                concurrency=self.concurrency, temperature=self.temperature,
+                                max_tokens=self.max_tokens, extra_body=dict(self.extra_body))
 
     @property
     def backend(self) -> str:
@@ -370,28 +372,8 @@ class GreenJudge:
     def url(self) -> str:
         return f"{self.base_url}/chat/completions"
 
-    def _http(self):
-        with self._client_lock:
-            if self._client is None:
-                try:
-                    import httpx
-                except ImportError as exc:
-                    raise ImportError(f"GREEN needs httpx ({exc}); {_EXTRA_HINT}") from exc
-                headers = {"Content-Type": "application/json"}
-                if self.api_key:
-                    headers["Authorization"] = f"Bearer {self.api_key}"
-                self._client = httpx.Client(
-                    timeout=self.timeout,
-                    headers=headers,
-                    limits=httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency),
-                )
-            return self._client
-
     def close(self) -> None:
-        with self._client_lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._judge.close()
 
     def __enter__(self) -> "GreenJudge":
         return self
@@ -401,45 +383,18 @@ class GreenJudge:
 
     def judge(self, candidate: str, reference: str) -> GreenResult:
         """Ask the judge about one pair (with retries); raises :class:`GreenError` when it stays unusable."""
-        client = self._http()  # first: it names the extra when httpx is missing
-        import httpx
+        try:
+            counts, reply = self._judge.judge(judge_messages(reference, candidate), parse_green_reply,
+                                              item="the pair")
+        except JudgeError as exc:
+            raise self._error(exc) from None
+        return GreenResult(counts.score, counts, reply)
 
-        body = {
-            "model": self.model,
-            "messages": judge_messages(reference, candidate),
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            **self.extra_body,
-        }
-        last_error = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2 ** attempt
-            try:
-                response = client.post(self.url, json=body)
-            except httpx.HTTPError as exc:  # connection refused, timeouts, protocol errors
-                last_error = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code in _RETRY_STATUS:
-                    last_error = f"HTTP {response.status_code}: {response.text[:300]}"
-                    wait = _retry_after(response, default=wait)
-                elif response.status_code >= 400:
-                    raise GreenError(
-                        f"GREEN judge at {self.url} refused the request: HTTP {response.status_code}: "
-                        f"{response.text[:500]}"
-                    )
-                else:
-                    try:
-                        reply = _reply_text(response)
-                        counts = parse_green_reply(reply)
-                        return GreenResult(counts.score, counts, reply)
-                    except ValueError as exc:  # GreenParseError included
-                        last_error = f"unusable reply: {exc}"
-            if attempt < self.max_retries:
-                time.sleep(wait)
-        raise GreenError(
-            f"GREEN judge at {self.url} (model {self.model}) failed after {self.max_retries + 1} attempts; "
-            f"last error: {last_error}"
-        )
+    def _error(self, exc: JudgeError) -> GreenError:
+        if exc.refused:
+            return GreenError(f"GREEN judge at {self.url} refused the request for {exc.item}: {exc.error}")
+        return GreenError(f"GREEN judge at {self.url} (model {self.model}) failed after {exc.attempts} attempts "
+                          f"for {exc.item}; last error: {exc.error}")
 
     def score(self, hyps: Sequence[str], refs: Sequence[str]) -> list[GreenResult]:
         """Judge each (hypothesis, reference) pair; identical pairs are judged once.
@@ -451,40 +406,19 @@ class GreenJudge:
         for text in (*hyps, *refs):
             if not isinstance(text, str):
                 raise TypeError(f"reports must be strings, got {type(text).__name__}")
-        pairs = list(dict.fromkeys(zip(hyps, refs)))
+        first_row: dict[tuple[str, str], int] = {}
+        for row, pair in enumerate(zip(hyps, refs)):
+            first_row.setdefault(pair, row)
+        pairs = list(first_row)
         if not pairs:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(pairs))) as pool:
-            futures = {pair: pool.submit(self.judge, *pair) for pair in pairs}
-            try:
-                results = {pair: future.result() for pair, future in futures.items()}
-            except BaseException:
-                for future in futures.values():
-                    future.cancel()
-                raise
+        try:
+            judged = self._judge.judge_many([judge_messages(ref, hyp) for hyp, ref in pairs], parse_green_reply,
+                                            items=[f"row {first_row[pair]}" for pair in pairs])
+        except JudgeError as exc:
+            raise self._error(exc) from None
+        results = {pair: GreenResult(j.value.score, j.value, j.reply) for pair, j in zip(pairs, judged)}
         return [results[pair] for pair in zip(hyps, refs)]
-
-
-def _retry_after(response: Any, *, default: float) -> float:
-    value = response.headers.get("retry-after")
-    try:
-        return min(60.0, max(0.0, float(value))) if value is not None else default
-    except ValueError:
-        return default
-
-
-def _reply_text(response: Any) -> str:
-    try:
-        data = response.json()
-    except ValueError as exc:
-        raise ValueError(f"reply is not JSON: {response.text[:200]!r}") from exc
-    try:
-        content = data["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"reply has no choices[0].message.content: {str(data)[:300]}") from exc
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("the judge's message is empty")
-    return content
 
 
 def green_summary(results: Sequence[GreenResult]) -> dict[str, Any]:
