@@ -19,13 +19,15 @@ Two request shapes throughout:
    clients, each posting ``--requests`` batches to /predict, beside one client alone;
    and the server's CPU time per pair for grouprl's request (``editgrpo_keys: false``)
    and EditGRPO's (every key its client reads), as a ratio; how the clients'
-   connections spread over the worker processes, and how many cores the server kept
-   busy (on a shared machine, what the other work left it). Every request carries a
+   connections spread over the serving processes and their requests over the scoring
+   processes (``X-Scoring-Pid``; a tree without that header scored where the connection
+   landed), and how many cores the server kept busy (on a shared machine, what the
+   other work left it). Every request carries a
    unique tag, so that no text repeats across requests (each GRPO step brings new
    responses) and per-text caches only help within a request.
 3. Splitting one request across processes: the GRPO-shaped batch scored whole by one
-   of two worker processes, or cut in two halves (by reference group) scored by both
-   at once; p50/p99 for one client and for ``--clients``.
+   of two scoring processes (what the server's pool does), or cut in two halves (by
+   reference group) scored by both at once; p50/p99 for one client and for ``--clients``.
 
 ``--baseline DIR`` (repeatable) measures other source trees (e.g. ``git archive HEAD |
 tar -x -C DIR``) the same way in the same run, each measurement of them taken right
@@ -239,7 +241,8 @@ class Server:
         import httpx
 
         latencies: list[float] = []
-        pids: list = []  # the worker process each client's connection landed on
+        pids: list = []  # the serving process each client's connection landed on
+        scorers: list = []  # the process that scored each request
         lock = threading.Lock()
         n = len(pairs[0])
 
@@ -260,6 +263,8 @@ class Server:
                     r.raise_for_status()
                     with lock:
                         latencies.append(elapsed)
+                        # a tree whose answers do not name their scorer scored in the connection's process
+                        scorers.append(r.headers.get("x-scoring-pid", pid))
 
         cpu0 = tree_cpu_seconds(self.proc.pid)
         threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
@@ -276,7 +281,8 @@ class Server:
                 "server_cpu_ms_per_pair": 1000 * cpu / (len(latencies) * n),
                 # cores the server kept busy on average; on a shared machine, what it was left
                 "server_cores_used": cpu / wall, "load_average_1min": os.getloadavg()[0],
-                "clients_per_process": sorted((pids.count(p) for p in set(pids)), reverse=True)}
+                "clients_per_process": sorted((pids.count(p) for p in set(pids)), reverse=True),
+                "requests_per_scoring_process": sorted((scorers.count(p) for p in set(scorers)), reverse=True)}
 
 
 def percentiles(latencies: list[float]) -> dict:
@@ -431,10 +437,13 @@ def report(results: dict, args: argparse.Namespace) -> list[str]:
         cpu = {n: (trees[n][f"server_workers_{workers}"]["grpo_1_client"]["server_cpu_ms_per_pair"],
                    trees[n][f"server_workers_{workers}"]["grpo_1_client_editgrpo_keys"]["server_cpu_ms_per_pair"])
                for n in names}
-        loaded = server[-1][f"grpo_{c}_clients"]
-        lines.append(f"  this tree's GRPO-shaped load of {c} clients: connections per server process "
-                     f"{loaded['clients_per_process']}, server busy on {loaded['server_cores_used']:.2f} cores "
-                     f"on average, load average {loaded['load_average_1min']:.1f} at its end")
+        for n in names:
+            loaded = trees[n][f"server_workers_{workers}"][f"grpo_{c}_clients"]
+            lines.append(f"  {n}: GRPO-shaped load of {c} clients: connections per serving process "
+                         f"{loaded['clients_per_process']}, requests per scoring process "
+                         f"{loaded.get('requests_per_scoring_process')}, server busy on "
+                         f"{loaded['server_cores_used']:.2f} cores on average, load average "
+                         f"{loaded['load_average_1min']:.1f} at its end")
         lines.append(row("server CPU per pair, grouprl's request, us", [1000 * cpu[n][0] for n in names], "us", True))
         lines.append(row("server CPU per pair, EditGRPO's request, us", [1000 * cpu[n][1] for n in names], "us", True))
         # (CPU time is counted in clock ticks: a load too small to register shows n/a)
@@ -457,7 +466,8 @@ def main() -> int:
     parser.add_argument("--refs", type=int, default=32, help="references per request")
     parser.add_argument("--rollouts", type=int, default=5, help="responses per reference")
     parser.add_argument("--requests", type=int, default=20, help="requests per client")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="uvicorn worker processes")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="the server's --workers (requests scored at once), one server per count")
     parser.add_argument("--baseline", action="append", default=[],
                         help="another source tree to measure the same way, for before/after figures (repeatable)")
     parser.add_argument("--no-split", action="store_true", help="skip section 3")

@@ -343,10 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000, help="port (the first one with --ports)")
     p.add_argument("--ports", type=int, default=1,
-                   help="listen on this many consecutive ports from --port, all served by every worker process "
+                   help="listen on this many consecutive ports from --port, all served by the one server process "
                         "(RadVLM's layout: --port $WORKER_BASE_PORT --ports $((WORKER_NUM_GPUS * "
                         "WORKER_INSTANCES_PER_GPU)))")
-    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (each serves every port)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="requests scored at once: 1 scores in the server process; N > 1 starts a pool of N scoring "
+                        "processes at startup, and whichever is idle takes the next request from any connection "
+                        "or port (set it to the cores the scoring may use)")
     p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $GROUPRL_REWARD_TOKEN)")
     p.add_argument("--components", nargs="+",
                    help="components scored when a request names none (default: EditGRPO's composite radgraphf1 "
@@ -366,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (else 413)")
     p.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive (else 408)")
-    p.add_argument("--scoring-threads", type=int, default=1, help="threads scoring requests (per worker)")
+    p.add_argument("--scoring-threads", type=int, default=1,
+                   help="with --workers 1: threads scoring requests (the components must be thread-safe); each of "
+                        "--workers N scoring processes scores one request at a time")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve_rewards)
     return parser

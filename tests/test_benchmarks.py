@@ -199,24 +199,27 @@ def test_bench_flow_smoke(tmp_path):
 
 
 def test_bench_clinical_smoke(tmp_path):
-    """Scoring speed, the server under 1 and 2 clients for both request shapes, the split test,
-    and a baseline tree measured beside this one (here: this repository again)."""
+    """Scoring speed, the server (2 scoring processes) under 1 and 2 clients for both request shapes,
+    the split test, and a baseline tree measured beside this one (here: this repository again)."""
     out = tmp_path / "clinical.json"
     root = BENCH.parent
     proc = run("bench_clinical.py", "--reports", "30", "--refs", "3", "--rollouts", "2", "--requests", "2",
-               "--clients", "2", "--workers", "1", "--baseline", str(root), "--out", str(out), cwd=tmp_path)
+               "--clients", "2", "--workers", "2", "--baseline", str(root), "--out", str(out), cwd=tmp_path)
     assert "aim < 250" in proc.stdout and "EditGRPO's / grouprl's CPU per pair" in proc.stdout
     report = json.loads(out.read_text())
     assert list(report["trees"]) == [root.resolve().name, "this"]
     assert report["grpo_shape"]["pairs"] == 6 and report["grpo_shape"]["distinct_refs"] == 3
     for tree in report["trees"].values():
         assert all(positive(v) for v in tree["scoring"].values())
-        loads = tree["server_workers_1"]
+        loads = tree["server_workers_2"]
         assert set(loads) == {"grpo_1_client", "grpo_2_clients", "distinct_1_client", "distinct_2_clients",
                               "grpo_1_client_editgrpo_keys", "grpo_2_clients_editgrpo_keys"}
         for name, load in loads.items():
             clients = 1 if "_1_client" in name else 2
+            # one serving process holds every connection; the requests are spread over the scoring processes
             assert load["requests"] == 2 * clients and load["clients_per_process"] == [clients]
+            assert sum(load["requests_per_scoring_process"]) == 2 * clients
+            assert 1 <= len(load["requests_per_scoring_process"]) <= 2
             assert 0 < load["p50_ms"] <= load["p99_ms"] <= load["max_ms"] and positive(load["pairs_per_s"])
             assert load["server_cpu_ms_per_pair"] >= 0 and load["server_cores_used"] >= 0
     split = report["split"]

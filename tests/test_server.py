@@ -1,4 +1,5 @@
-"""The reward server: EditGRPO's /predict shape, the composite, format failures, bad requests, auth, /analyze.
+"""The reward server: EditGRPO's /predict shape, the composite, format failures, bad requests, auth, /analyze,
+and `serve rewards --workers 2`'s pool of scoring processes.
 
 EditGRPO-specific behaviours beyond the shape (embeddings, /extract, long reports, slow bodies) are in
 test_server_editgrpo.py; RadVLM-GRPO's worker routes in test_server_radvlm.py.
@@ -6,8 +7,17 @@ test_server_editgrpo.py; RadVLM-GRPO's worker routes in test_server_radvlm.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 
 import pytest
 
@@ -273,6 +283,17 @@ def test_bad_startup_settings(components):
         server.create_app(default_components=["no_such_component"])
     with pytest.raises(ValueError, match="max_batch"):
         server.create_app(default_components=["t_exact"], max_batch=0)
+    # scoring processes build everything from plain settings: test doubles and threads cannot go there
+    with pytest.raises(ValueError, match="extract_report / analyze"):
+        server.create_app(default_components=["t_exact"], scoring_processes=2, extract_report=boxed_extract)
+    with pytest.raises(ValueError, match="scoring_threads"):
+        server.create_app(default_components=["t_exact"], scoring_processes=2, scoring_threads=2)
+
+
+def test_in_process_answers_name_this_process_as_the_scorer(client):
+    r = post(client, {"hyps": HYPS, "refs": REFS, "type": "free_form"})
+    assert r.status_code == 200 and r.headers[server.SCORING_PID_HEADER] == str(os.getpid())
+    assert client.get("/health").json()["scoring"] == {"threads": 1, "pids": [os.getpid()]}
 
 
 # ----------------------------------------------------------------------------- /analyze
@@ -416,3 +437,243 @@ def test_every_key_editgrpos_own_client_reads_is_filled_by_real_components():
     assert predictions["format_ok"] == [True, False]
     assert predictions["f1_radgraph_scores"][0] == 1.0
     assert predictions["balanced_accuracy_chexbert"] == predictions["cxb_bal_acc_editgrpo"]  # EditGRPO's scale
+
+
+# ----------------------------------------------------------------------------- --workers 2: the scoring pool
+
+# Components the server's processes register at interpreter start (a sitecustomize on their
+# PYTHONPATH): the spawned scoring processes import grouprl afresh, so a test's registry does
+# not reach them. Their scores are the pid of the process that computed them.
+POOL_COMPONENTS = textwrap.dedent("""
+    import os, time
+    from grouprl.rewards.radiology.components import COMPONENTS, Component
+
+    def t_pid(hyps, refs):
+        return [float(os.getpid())] * len(hyps)
+
+    def t_gate(hyps, refs):
+        # each hyp names a gate file: announce this process at GATE.started, score once GATE exists
+        for gate in hyps:
+            with open(gate + ".tmp", "w") as fh:
+                fh.write(str(os.getpid()))
+            os.replace(gate + ".tmp", gate + ".started")  # whole, or not there yet
+            deadline = time.monotonic() + 120
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return [float(os.getpid())] * len(hyps)
+
+    def t_boom(hyps, refs):
+        raise RuntimeError("labeler exploded")
+
+    for fn in (t_pid, t_gate, t_boom):
+        COMPONENTS[fn.__name__] = Component(fn.__name__, fn, "test=" + fn.__name__)
+""")
+
+
+def two_free_ports() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return base
+    pytest.skip("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def pool_server(tmp_path_factory):
+    """`grouprl serve rewards --workers 2 --ports 2 --class-frequencies F`, with the test components above."""
+    pytest.importorskip("httpx")
+    root = tmp_path_factory.mktemp("pool")
+    (root / "sitecustomize.py").write_text(POOL_COMPONENTS)
+    frequencies = root / "class_frequencies.json"
+    frequencies.write_text(json.dumps({"Cardiomegaly": 0.2, "Pleural Effusion": 0.4}))
+    base = two_free_ports()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "grouprl", "serve", "rewards", "--port", str(base), "--ports", "2",
+                             "--workers", "2", "--entity-embeddings", "ngram", "--class-frequencies", str(frequencies),
+                             "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for port in (base, base + 1):
+            while True:  # the ports accept once the pool has started (a startup guard, not a timed assertion)
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "reward server did not start"
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    time.sleep(0.1)
+        yield {"urls": [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"], "root": root,
+               "class_frequencies": str(frequencies), "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # shutdown hung: fail after cleaning up
+            proc.kill()
+            proc.wait()
+            raise AssertionError("the reward server did not stop within 60 s of SIGINT")
+
+
+def pool_post(http, url, component, hyps):
+    return http.post(url + "/predict", json={"hyps": hyps, "refs": ["Clear lungs."] * len(hyps), "type": "free_form",
+                                             "requested_reward_components": [component], "editgrpo_keys": False})
+
+
+def scorer(response) -> int:
+    """The pid the test components scored in."""
+    assert response.status_code == 200, response.text
+    return int(response.json()["data"]["predictions"]["final_scores"][0])
+
+
+def wait_for_file(path, thread=None) -> str:
+    deadline = time.monotonic() + 60  # a guard against hanging, not a timed assertion
+    while not path.exists():
+        assert thread is None or thread.is_alive(), "the request ended before it reached its gate"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def test_a_pool_that_cannot_start_says_so():
+    """Settings a scoring process cannot build from (here: a component only the test process has) fail the
+    pool's start with an error instead of leaving it waiting for its processes."""
+    server.load_report_components()
+    pool = server.ScoringPool({"default_components": ["only_in_this_process"]}, 1)
+    with pytest.raises(RuntimeError, match="the scoring processes did not start"):
+        pool.start()
+    assert pool.describe()["pids"] == []
+
+
+def test_pool_scores_as_in_process_on_every_port(pool_server):
+    """Each port answers /predict, /analyze and /extract with in-process scoring's numbers, under the same
+    settings (the class-frequency variant of cxb_bal_acc_editgrpo included)."""
+    import httpx
+
+    ref = "Mild cardiomegaly. Small left pleural effusion. No pneumothorax."
+    predict = {"hyps": ["\\boxed{" + ref + "}", "\\boxed{Cardiomegaly. No effusion.}", "Large effusion.",
+                        "<think>x</think>\\boxed{Normal chest.}"],
+               "refs": [ref, ref, ref, "Cardiomegaly. Small right effusion."]}
+    pairs = {"generations": predict["hyps"][:2], "ground_truth": predict["refs"][:2]}
+    local = TestClient(server.create_app(entity_embeddings="ngram", class_frequencies=pool_server["class_frequencies"]))
+    expected = {route: local.post(route, json=body).json() for route, body in
+                (("/predict", predict), ("/analyze", pairs), ("/extract", pairs))}
+    assert pool_server["class_frequencies"] in expected["/predict"]["data"]["backends"]["cxb_bal_acc_editgrpo"]
+    for url in pool_server["urls"]:
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert len(health["scoring"]["pids"]) == 2 and health["pid"] not in health["scoring"]["pids"]
+        for route, body in (("/predict", predict), ("/analyze", pairs), ("/extract", pairs)):
+            r = httpx.post(url + route, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json() == expected[route], (url, route)
+            assert int(r.headers[server.SCORING_PID_HEADER]) in health["scoring"]["pids"]
+
+
+def test_one_connection_is_scored_by_whichever_process_is_idle(pool_server):
+    """Requests on one keep-alive connection go to whichever scoring process is idle: while one process
+    is held by another request, the other one serves them; each process in turn."""
+    import httpx
+
+    url, root = pool_server["urls"][0], pool_server["root"]
+    held: dict = {}
+
+    def hold(name):
+        with httpx.Client(timeout=120) as other:
+            held[name] = pool_post(other, url, "t_gate", [str(root / name)])
+
+    with httpx.Client(timeout=30) as conn:  # one connection (one process per connection would fail here)
+        first = threading.Thread(target=hold, args=("g1",))
+        first.start()
+        x = int(wait_for_file(root / "g1.started", first))  # process x is held
+        r1 = pool_post(conn, url, "t_pid", ["a"])
+        y = scorer(r1)
+        assert y != x and first.is_alive()  # the other process scored it while x was busy
+        second = threading.Thread(target=hold, args=("g2",))
+        second.start()
+        assert int(wait_for_file(root / "g2.started", second)) == y  # now y is held too
+        (root / "g1").touch()  # x is free again
+        first.join()
+        assert scorer(held["g1"]) == x
+        r2 = pool_post(conn, url, "t_pid", ["b"])
+        assert scorer(r2) == x and second.is_alive()  # the same connection, the other process
+        (root / "g2").touch()
+        second.join()
+        assert scorer(held["g2"]) == y
+        addresses = {r.extensions["network_stream"].get_extra_info("client_addr") for r in (r1, r2)}
+        assert len(addresses) == 1  # both answers came over the one connection
+    assert {x, y} == set(httpx.get(url + "/health", timeout=30).json()["scoring"]["pids"])
+
+
+def test_pool_component_failure_is_500_and_the_server_keeps_serving(pool_server):
+    import httpx
+
+    url = pool_server["urls"][1]
+    with httpx.Client(timeout=60) as http:
+        before = http.get(url + "/health").json()["scoring"]
+        r = pool_post(http, url, "t_boom", ["a", "b"])
+        assert r.status_code == 500
+        assert r.json() == {"result": "error", "data": {"message": "component 't_boom' (test=t_boom) raised "
+                                                                  "RuntimeError: labeler exploded"}}
+        assert scorer(pool_post(http, url, "t_pid", ["a"])) in before["pids"]
+        assert http.get(url + "/health").json()["scoring"] == before  # an exception is not a dead process
+
+
+def test_a_killed_scoring_process_is_replaced(pool_server):
+    """A scoring process killed mid-request: that request gets a 503 saying so, the pool is started
+    afresh, and the next requests are scored by the new processes."""
+    import httpx
+
+    url, root = pool_server["urls"][0], pool_server["root"]
+    answer: dict = {}
+
+    def doomed():
+        with httpx.Client(timeout=120) as other:
+            answer["r"] = pool_post(other, url, "t_gate", [str(root / "never")])
+
+    with httpx.Client(timeout=120) as http:
+        before = http.get(url + "/health").json()["scoring"]
+        thread = threading.Thread(target=doomed)
+        thread.start()
+        victim = int(wait_for_file(root / "never.started", thread))
+        os.kill(victim, signal.SIGKILL)
+        thread.join()
+        r = answer["r"]
+        assert r.status_code == 503, r.text
+        assert "a scoring process died" in r.json()["data"]["message"]
+        for _ in range(3):  # the new processes answer
+            pid = scorer(pool_post(http, url, "t_pid", ["a"]))
+            assert pid not in before["pids"]
+        after = http.get(url + "/health").json()["scoring"]
+        assert after["restarts"] == before["restarts"] + 1 and pid in after["pids"]
+        assert not set(after["pids"]) & set(before["pids"]) and len(after["pids"]) == 2
+
+
+def test_stopping_does_not_wait_for_a_stuck_request(pool_server):
+    """SIGINT with a request stuck in a component: the server stops (after its grace period) and takes
+    its scoring processes with it. Runs last: it stops the module's server."""
+    import httpx
+
+    url, root, proc = pool_server["urls"][0], pool_server["root"], pool_server["proc"]
+    pids = httpx.get(url + "/health", timeout=30).json()["scoring"]["pids"]
+
+    def stuck():
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=120) as other:
+            pool_post(other, url, "t_gate", [str(root / "stuck")])
+
+    thread = threading.Thread(target=stuck, daemon=True)
+    thread.start()
+    wait_for_file(root / "stuck.started", thread)
+    proc.send_signal(signal.SIGINT)
+    # the gate never opens and the component would wait 120 s: stopping sooner is the server's doing
+    assert proc.wait(timeout=60) == 0
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

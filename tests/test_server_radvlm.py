@@ -100,7 +100,7 @@ def _two_free_ports() -> int:
 
 @pytest.fixture(scope="module")
 def radvlm_layout():
-    """`grouprl serve rewards --port B --ports 2 --workers 2`: RadVLM's layout with 2 workers."""
+    """`grouprl serve rewards --port B --ports 2 --workers 2`: RadVLM's layout, 2 scoring processes."""
     base = _two_free_ports()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grouprl", "serve", "rewards", "--port", str(base), "--ports", "2",
@@ -133,7 +133,8 @@ PRED = "Cardiomegaly, mild. Effusion in the left pleura, small. Atelectasis. No 
 
 
 def test_radvlm_port_layout_with_several_workers(radvlm_layout):
-    """RadVLM's client spreads calls over WORKER_BASE_PORT + i; two grouprl processes serve both ports."""
+    """RadVLM's client spreads calls over WORKER_BASE_PORT + i; one server with two scoring processes serves
+    both ports."""
     httpx = pytest.importorskip("httpx")
     score, compute_score, endpoints = radvlm_client("127.0.0.1", radvlm_layout, num_gpus=1, instances_per_gpu=2)
     pred, true = PRED[:2048].lower(), REF[:2048].lower()
@@ -141,9 +142,14 @@ def test_radvlm_port_layout_with_several_workers(radvlm_layout):
     assert 0.0 < expected < 1.0
     for _ in range(2 * len(endpoints)):  # every port, twice
         assert score("radgraph", PRED, REF) == pytest.approx(expected)
-    assert compute_score("radcliq", "mimic_grpo", "ok", REF) == -3  # too short: RadVLM's fallback, not scored
+    for _ in range(4):  # too short: RadVLM's fallback, not scored; the calls go to both ports in turn
+        assert compute_score("radcliq", "mimic_grpo", "ok", REF) == -3
     answered = {endpoint: httpx.get(endpoint + "/health", timeout=10).json() for endpoint in endpoints}
     assert all(h["status"] == "ok" for h in answered.values())
+    # every port counts every scoring process's fallbacks: the server's totals, not one process's share
+    for health in answered.values():
+        assert len(health["scoring"]["pids"]) == 2
+        assert health["radvlm"]["fallbacks"]["/score_radcliq"] == {"too_short": 4, "error": 0}
 
 
 @pytest.fixture(scope="module")

@@ -55,10 +55,16 @@ threshold tau work (``data.embedding_backend`` names the encoder; a request may 
 annotations. See ``radiology/extractor_api.py``. The RadVLM routes keep RadVLM's
 worker behaviour, fallback scores included (``radvlm_workers.py``).
 
-Scoring runs in worker threads (``scoring_threads``), one component call per request
-batch, so that the event loop keeps answering (``/health`` stays responsive during a
-long batch). A component that raises gives a 500 naming it (a RadVLM route answers its
-fallback score instead, logged and counted). A request body must arrive within
+One process serves HTTP (every port, JSON, auth, limits) and hands each request's
+scoring, one component call per request batch, to a scorer off its event loop, so that
+it keeps answering (``/health`` stays responsive during a long batch): worker threads
+of its own (``scoring_threads``), or a pool of scoring processes
+(``scoring_processes``, ``grouprl serve rewards --workers N``) whose idle members take
+the next request from one shared queue, whichever connection or port it came on. Every
+scored answer names the process that scored it (header ``X-Scoring-Pid``). A component
+that raises gives a 500 naming it (a RadVLM route answers its fallback score instead,
+logged and counted); a scoring process that dies gives a 503 to the requests it took
+down and the pool is started afresh. A request body must arrive within
 ``body_timeout`` seconds (else 408 and the connection is closed); a client that
 disconnects mid-body is logged in one line.
 """
@@ -73,9 +79,12 @@ import hmac
 import json
 import logging
 import math
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,7 +124,11 @@ DEFAULT_MAX_CHARS = 20_000
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 60.0
 
-ENV_CONFIG = "GROUPRL_REWARD_SERVER_CONFIG"  # settings handed to uvicorn worker processes
+SCORING_PID_HEADER = "X-Scoring-Pid"  # which process scored an answer
+POOL_START_TIMEOUT = 300.0  # seconds the scoring processes may take to import and build their components
+# Seconds a stopping server lets requests in progress finish before cancelling them: a stuck
+# component must not keep it from stopping.
+SHUTDOWN_GRACE = 10.0
 
 ExtractFn = Callable[[str, str], "str | None"]
 AnalyzeFn = Callable[[list[str], list[str]], list[dict[str, Any]]]
@@ -131,6 +144,10 @@ class RequestError(ValueError):
 
 class ComponentFailure(RuntimeError):
     """A score component raised or returned something unusable (HTTP 500)."""
+
+
+class ScoringProcessDied(RuntimeError):
+    """A scoring process died with this request queued or in hand (HTTP 503: send it again)."""
 
 
 # ----------------------------------------------------------------------------- components
@@ -433,6 +450,222 @@ def extractor_lists(payload: Mapping[str, Any], limits: Limits) -> tuple[list[st
     return gens, refs, {"max_chars": limits.max_chars, "generations": cut_gens, "ground_truth": cut_refs}
 
 
+# ----------------------------------------------------------------------------- scoring work
+
+
+@dataclass
+class Scoring:
+    """What scoring needs, built once per process from the server's settings (:func:`scoring_context`)."""
+
+    components: Mapping[str, Any]
+    default: list[str]
+    extract: ExtractFn
+    analyzer: AnalyzeFn
+    embedder: Any
+
+
+def scoring_context(*, default_components: Sequence[str] = DEFAULT_COMPONENTS, class_frequencies: str | None = None,
+                    entity_embeddings: str = "auto", entity_encoder: str | None = None,
+                    extract_report: ExtractFn | None = None, analyze: AnalyzeFn | None = None) -> Scoring:
+    """The components (the class-frequency variant bound), extractor, analyzer and embedder of a server.
+
+    ValueError (or the loader's FileNotFoundError / ImportError) on settings that cannot
+    serve. The scoring processes of a pool each call it with the same plain settings.
+    """
+    registry = load_report_components()
+    # A frequency file binds a per-server variant of EditGRPO's cxb_bal_acc; the registry keeps the file-less one.
+    overrides = {EDITGRPO_BAL_ACC: _frequency_component(class_frequencies)} if class_frequencies else {}
+    components: Mapping[str, Any] = collections.ChainMap(overrides, registry)
+    default = expand_components(list(default_components), DEFAULT_COMPONENTS)
+    try:
+        check_component_names(default, components)
+    except RequestError as exc:
+        raise ValueError(f"default components: {exc}") from None
+    missing = sorted({e.component for e in radvlm_workers.ENDPOINTS.values()} - set(components))
+    if missing:
+        raise ValueError(f"RadVLM routes need the report score components {missing}, which are not registered")
+    return Scoring(components=components, default=default, extract=extract_report or _default_extract,
+                   analyzer=analyze or _default_analyze, embedder=_entity_embedder(entity_embeddings, entity_encoder))
+
+
+# Each route's scoring, a module-level function of (Scoring, plain arguments): what a pool
+# process can be sent by name, and what a scoring thread runs the same way.
+
+
+def predict_work(scoring: Scoring, request: PredictRequest, max_chars: int) -> dict[str, Any]:
+    """The ``data`` of a /predict success (:func:`score_predict` with this server's components)."""
+    return score_predict(request, components=scoring.components, extract=scoring.extract, max_chars=max_chars)
+
+
+def analyze_work(scoring: Scoring, gens: list[str], refs: list[str], with_embeddings: bool,
+                 truncated: dict[str, Any]) -> dict[str, Any]:
+    """The ``data`` of an /analyze success: the entity analysis of each pair, embeddings attached."""
+    try:
+        results = scoring.analyzer(gens, refs)
+    except ComponentFailure:
+        raise
+    except Exception as exc:
+        raise ComponentFailure(f"entity analysis raised {type(exc).__name__}: {exc}") from exc
+    if len(results) != len(gens):
+        raise ComponentFailure(f"entity analysis returned {len(results)} results for {len(gens)} pairs")
+    embedder = scoring.embedder
+    if with_embeddings:
+        try:
+            results = _attach_embeddings(results, embedder)
+        except Exception as exc:
+            raise ComponentFailure(f"entity embeddings ({embedder.backend}) raised "
+                                   f"{type(exc).__name__}: {exc}") from exc
+    return {"predictions": {"analysis_results": results},
+            "embedding_backend": embedder.backend if with_embeddings else None,
+            "truncated": truncated}
+
+
+def extract_work(scoring: Scoring, gens: list[str], refs: list[str], truncated: dict[str, Any]) -> dict[str, Any]:
+    """The ``data`` of an /extract success: RadGraph-shaped annotations of both lists."""
+    try:
+        predictions = {"gen_annotations": _radgraph_annotations(gens), "gt_annotations": _radgraph_annotations(refs)}
+    except Exception as exc:
+        raise ComponentFailure(f"RadGraph-style extraction raised {type(exc).__name__}: {exc}") from exc
+    return {"predictions": predictions, "backend": "radgraph=rules", "truncated": truncated}
+
+
+def radvlm_work(scoring: Scoring, endpoint: radvlm_workers.Endpoint, pred: str, true: str) -> dict[str, Any]:
+    """A RadVLM route's answer to one pair; its ``fallback`` is counted by the serving process, not here."""
+    return radvlm_workers.score_pair(endpoint, scoring.components[endpoint.component], pred, true)
+
+
+# ----------------------------------------------------------------------------- the scoring pool
+
+# The Scoring of this pool process and the barrier its pool's warm-up meets at (set by _pool_init).
+_POOL_SCORING: Scoring | None = None
+_POOL_STARTED: Any = None
+
+
+def _pool_init(settings: dict[str, Any], started) -> None:
+    """Initializer of a scoring process: its Scoring from the server's plain settings."""
+    global _POOL_SCORING, _POOL_STARTED
+    # Ctrl-C reaches the whole process group; the serving process stops the pool itself, and a
+    # scoring process interrupted mid-task would only print a traceback and break the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _POOL_SCORING = scoring_context(**settings)
+    _POOL_STARTED = started
+
+
+def _pool_warm() -> int:
+    """One per process at pool start: waits until every process has started, scores a pair; its pid."""
+    # Tasks submitted before any finishes each spawn a process; meeting at the barrier keeps any
+    # process from taking a second warm-up task, so each of them builds its Scoring now, not on a request.
+    _POOL_STARTED.wait(POOL_START_TIMEOUT)
+    scoring = _POOL_SCORING
+    request = PredictRequest(["No pleural effusion."], ["No pleural effusion."], "free_form", scoring.default, False)
+    try:  # first-call imports; a component that cannot score fails its requests, not the server's start
+        predict_work(scoring, request, DEFAULT_MAX_CHARS)
+    except Exception as exc:
+        logger.debug("scoring process %d: warm-up scoring failed: %s", os.getpid(), exc)
+    return os.getpid()
+
+
+def _pool_call(work: Callable[..., Any], *args: Any) -> tuple[int, Any]:
+    """Runs in a scoring process: ``work(its Scoring, *args)`` and the pid that ran it."""
+    return os.getpid(), work(_POOL_SCORING, *args)
+
+
+class ScoringPool:
+    """``processes`` spawned scoring processes taking requests from one queue: any idle one takes the next.
+
+    Each builds its own :class:`Scoring` from ``settings`` (plain data; only those and
+    module-level functions cross the process boundary). A process that dies breaks the
+    executor for good: the requests it took down get :class:`ScoringProcessDied`, and
+    the next request finds a new pool (``restarts`` counts them).
+    """
+
+    def __init__(self, settings: Mapping[str, Any], processes: int):
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"scoring processes must be a positive integer, got {processes!r}")
+        self.settings = dict(settings)
+        self.processes = processes
+        self.restarts = 0
+        self.pids: list[int] = []
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def _new_executor(self) -> tuple[concurrent.futures.ProcessPoolExecutor, list[concurrent.futures.Future]]:
+        # spawn, not fork: the serving process has threads (and an event loop) a fork would copy mid-state
+        context = multiprocessing.get_context("spawn")
+        started = context.Barrier(self.processes)
+        executor = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=context, initializer=_pool_init,
+                                                          initargs=(self.settings, started))
+        self._executor = executor
+        self.pids = []
+
+        def record_pid(future: concurrent.futures.Future) -> None:  # in the executor's thread
+            if self._executor is executor and not future.cancelled() and future.exception() is None:
+                self.pids = sorted({*self.pids, future.result()})
+
+        warm = [executor.submit(_pool_warm) for _ in range(self.processes)]
+        for future in warm:
+            future.add_done_callback(record_pid)
+        return executor, warm
+
+    def start(self) -> None:
+        """Spawn every process and wait until each has built its components (blocking)."""
+        _, warm = self._new_executor()
+        try:
+            for future in warm:
+                future.result()
+        except Exception as exc:
+            self.shutdown()
+            raise RuntimeError(f"the scoring processes did not start: {type(exc).__name__}: {exc}") from exc
+
+    def _replace(self, broken: concurrent.futures.ProcessPoolExecutor) -> concurrent.futures.ProcessPoolExecutor:
+        """The pool to use instead of ``broken``: a new one, unless another request already started it."""
+        if self._executor is broken:  # requests that fail together replace the pool once
+            logger.error("a scoring process died; starting %d new scoring process(es)", self.processes)
+            broken.shutdown(wait=False, cancel_futures=True)
+            self.restarts += 1
+            self._new_executor()  # its processes start now; requests queue behind their warm-up
+        return self._executor
+
+    async def run(self, work: Callable[..., Any], *args: Any) -> tuple[int, Any]:
+        """``work(Scoring, *args)`` in an idle scoring process: (its pid, the result)."""
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("the scoring pool was not started")
+        try:
+            future = executor.submit(_pool_call, work, *args)
+        except concurrent.futures.process.BrokenProcessPool:
+            # found broken before this request reached it: nothing of it ran, so the new pool takes it
+            executor = self._replace(executor)
+            future = executor.submit(_pool_call, work, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except concurrent.futures.process.BrokenProcessPool as exc:
+            self._replace(executor)
+            raise ScoringProcessDied(f"a scoring process died while this request was queued or being scored "
+                                     f"({exc}); {self.processes} new scoring process(es) were started: "
+                                     "send it again") from None
+
+    def shutdown(self) -> None:
+        """Stop the processes: queued work is cancelled, a process still scoring after a grace period is ended."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        # ProcessPoolExecutor has no public handle on its processes; a stuck component must not hang the exit.
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 2.0  # idle processes leave at once; a busy one gets this long
+        for process in processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+        executor.shutdown(wait=True)
+
+    def describe(self) -> dict[str, Any]:
+        """For /health: how many processes, the current ones' pids, how many times the pool was replaced."""
+        return {"processes": self.processes, "pids": list(self.pids), "restarts": self.restarts}
+
+
 # ----------------------------------------------------------------------------- the app
 
 
@@ -446,6 +679,7 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     default_type: str = "short",
     scoring_threads: int = 1,
+    scoring_processes: int | None = None,
     class_frequencies: str | None = None,
     entity_embeddings: str = "auto",
     entity_encoder: str | None = None,
@@ -461,8 +695,12 @@ def create_app(
     ``max_body_bytes``: larger request bodies get 413; ``body_timeout``: seconds a
     request body may take to arrive (408 after). ``default_type`` is the report type of
     a request without ``type`` ("short", as EditGRPO's server). ``scoring_threads``
-    worker threads run the scoring (1: requests are scored one at a time, off the event
-    loop; model backends need not be thread-safe). ``class_frequencies``: EditGRPO's
+    worker threads of this process run the scoring (1: requests are scored one at a
+    time, off the event loop; model backends need not be thread-safe).
+    ``scoring_processes``: a :class:`ScoringPool` of that many processes scores instead
+    (each one request at a time; started with the app's lifespan, so only under a server
+    or ``with TestClient(app)``); it builds its components from these settings, so it
+    takes no ``extract_report`` / ``analyze``. ``class_frequencies``: EditGRPO's
     class-frequency JSON for ``cxb_bal_acc_editgrpo``. ``entity_embeddings`` (``auto``,
     ``encoder``, ``ngram``) and ``entity_encoder`` (a local encoder directory) choose the
     /analyze embeddings. ``extract_report`` / ``analyze`` replace the format check
@@ -481,36 +719,44 @@ def create_app(
         raise ValueError(f"scoring_threads must be a positive integer, got {scoring_threads!r}")
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
-    registry = load_report_components()
-    # A frequency file binds a per-server variant of EditGRPO's cxb_bal_acc; the registry keeps the file-less one.
-    overrides = {EDITGRPO_BAL_ACC: _frequency_component(class_frequencies)} if class_frequencies else {}
-    components: Mapping[str, Any] = collections.ChainMap(overrides, registry)
-    default = expand_components(list(default_components), DEFAULT_COMPONENTS)
-    try:
-        check_component_names(default, components)
-    except RequestError as exc:
-        raise ValueError(f"default components: {exc}") from None
-    missing = sorted({e.component for e in radvlm_workers.ENDPOINTS.values()} - set(components))
-    if missing:
-        raise ValueError(f"RadVLM routes need the report score components {missing}, which are not registered")
-    embedder = _entity_embedder(entity_embeddings, entity_encoder)
-    extract = extract_report or _default_extract
-    analyzer = analyze or _default_analyze
+    settings = dict(default_components=list(default_components), class_frequencies=class_frequencies,
+                    entity_embeddings=entity_embeddings, entity_encoder=entity_encoder)
+    pool = None
+    if scoring_processes is not None:
+        if extract_report is not None or analyze is not None:
+            raise ValueError("scoring processes build their components from the settings: "
+                             "extract_report / analyze need scoring in this process (no scoring_processes)")
+        if scoring_threads != 1:
+            raise ValueError("scoring_threads (--scoring-threads) applies to scoring in the server process "
+                             "(--workers 1); each of the scoring_processes (--workers N) scores one request at a time")
+        pool = ScoringPool(settings, scoring_processes)
+    # Built here in every case: bad settings fail now, once, before any scoring process starts.
+    scoring = scoring_context(**settings, extract_report=extract_report, analyze=analyze)
+    components, default, embedder = scoring.components, scoring.default, scoring.embedder
     fallbacks = radvlm_workers.FallbackCounter(radvlm_workers.ENDPOINTS)
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=scoring_threads, thread_name_prefix="grouprl-score")
+    executor = None
+    if pool is None:
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=scoring_threads,
+                                                         thread_name_prefix="grouprl-score")
 
     import contextlib
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if pool is not None:
+            await asyncio.to_thread(pool.start)
         try:
             yield
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+            if pool is not None:
+                await asyncio.to_thread(pool.shutdown)
+            else:
+                executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="grouprl reward server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.limits = limits
     app.state.executor = executor
+    app.state.pool = pool
     app.state.radvlm_fallbacks = fallbacks
 
     def error(message: str, status: int) -> JSONResponse:
@@ -555,15 +801,20 @@ def create_app(
             raise RequestError(f"request body not received within {limits.body_timeout:g} s", 408) from None
         return decode_json_body(body)
 
-    async def run(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    async def run(work, *args) -> tuple[int, Any]:
+        """``work(scoring, *args)`` off the event loop: (the pid that scored, its result)."""
+        if pool is not None:
+            return await pool.run(work, *args)
+        result = await asyncio.get_running_loop().run_in_executor(executor, work, scoring, *args)
+        return os.getpid(), result
 
     async def answered(request: Request, handle, envelope: bool = True) -> JSONResponse:
         try:
             authorize(request)
             payload = await read_json(request)
-            data = await handle(payload)
-            return JSONResponse({"result": "success", "data": data} if envelope else data)
+            pid, data = await handle(payload)
+            return JSONResponse({"result": "success", "data": data} if envelope else data,
+                                headers={SCORING_PID_HEADER: str(pid)})
         except RequestError as exc:
             if exc.status == 408:
                 logger.info("%s %s from %s: %s", request.method, request.url.path, _peer(request), exc)
@@ -575,6 +826,9 @@ def create_app(
         except ComponentFailure as exc:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc)
             return error(str(exc), 500)
+        except ScoringProcessDied as exc:
+            logger.error("%s %s: %s", request.method, request.url.path, exc)
+            return error(str(exc), 503)
         except Exception as exc:  # never let one request take the server down or hide why it failed
             logger.exception("%s %s failed", request.method, request.url.path)
             return error(f"internal error: {type(exc).__name__}: {exc}", 500)
@@ -584,8 +838,7 @@ def create_app(
         async def handle(payload):
             parsed = parse_predict(payload, known=components, default_components=default,
                                    default_type=default_type, limits=limits)
-            return await run(lambda: score_predict(parsed, components=components, extract=extract,
-                                                   max_chars=limits.max_chars))
+            return await run(predict_work, parsed, limits.max_chars)
 
         return await answered(request, handle)
 
@@ -593,28 +846,7 @@ def create_app(
     async def analyze_route(request: Request):
         async def handle(payload):
             gens, refs, truncated = extractor_lists(payload, limits)
-            with_embeddings = optional_flag(payload, "embeddings", True)
-
-            def work():
-                try:
-                    results = analyzer(gens, refs)
-                except ComponentFailure:
-                    raise
-                except Exception as exc:
-                    raise ComponentFailure(f"entity analysis raised {type(exc).__name__}: {exc}") from exc
-                if len(results) != len(gens):
-                    raise ComponentFailure(f"entity analysis returned {len(results)} results for {len(gens)} pairs")
-                if with_embeddings:
-                    try:
-                        results = _attach_embeddings(results, embedder)
-                    except Exception as exc:
-                        raise ComponentFailure(f"entity embeddings ({embedder.backend}) raised "
-                                               f"{type(exc).__name__}: {exc}") from exc
-                return {"predictions": {"analysis_results": results},
-                        "embedding_backend": embedder.backend if with_embeddings else None,
-                        "truncated": truncated}
-
-            return await run(work)
+            return await run(analyze_work, gens, refs, optional_flag(payload, "embeddings", True), truncated)
 
         return await answered(request, handle)
 
@@ -622,16 +854,7 @@ def create_app(
     async def extract_route(request: Request):
         async def handle(payload):
             gens, refs, truncated = extractor_lists(payload, limits)
-
-            def work():
-                try:
-                    predictions = {"gen_annotations": _radgraph_annotations(gens),
-                                   "gt_annotations": _radgraph_annotations(refs)}
-                except Exception as exc:
-                    raise ComponentFailure(f"RadGraph-style extraction raised {type(exc).__name__}: {exc}") from exc
-                return {"predictions": predictions, "backend": "radgraph=rules", "truncated": truncated}
-
-            return await run(work)
+            return await run(extract_work, gens, refs, truncated)
 
         return await answered(request, handle)
 
@@ -642,8 +865,11 @@ def create_app(
                     pred, true = radvlm_workers.parse_score_request(payload)
                 except ValueError as exc:
                     raise RequestError(str(exc)) from None
-                return await run(radvlm_workers.score_pair, endpoint, components[endpoint.component], pred, true,
-                                 fallbacks)
+                pid, answer = await run(radvlm_work, endpoint, pred, true)
+                # counted here, where every scoring process's answers arrive: /health shows the server's totals
+                if answer.get("fallback"):
+                    fallbacks.add(endpoint.path, answer["fallback"])
+                return pid, answer
 
             return await answered(request, handle, envelope=False)
 
@@ -657,7 +883,9 @@ def create_app(
         known = sorted(components)
         return {
             "status": "ok",
-            "pid": os.getpid(),  # with several worker processes, which one answered (counts are per process)
+            "pid": os.getpid(),  # the serving process (HTTP, every port)
+            # who scores: this process's threads, or the pool's processes (pids of the current pool)
+            "scoring": pool.describe() if pool is not None else {"threads": scoring_threads, "pids": [os.getpid()]},
             "components": known,
             "backends": {name: components[name].backend for name in known},
             "default_components": default,
@@ -670,7 +898,7 @@ def create_app(
             "radvlm": {"routes": {e.path: {"component": e.component, "fallback": e.fallback,
                                            "backend": components[e.component].backend}
                                   for e in radvlm_workers.ENDPOINTS.values()},
-                       "fallbacks": fallbacks.snapshot()},
+                       "fallbacks": fallbacks.snapshot()},  # every scoring process's, counted here
         }
 
     return app
@@ -681,22 +909,14 @@ def _peer(request) -> str:
     return f"{client.host}:{client.port}" if client else "(unknown)"
 
 
-def app_from_env():
-    """App factory for uvicorn worker processes: settings from ``$GROUPRL_REWARD_SERVER_CONFIG``."""
-    raw = os.environ.get(ENV_CONFIG)
-    if not raw:
-        raise RuntimeError(f"{ENV_CONFIG} is not set; start the server with grouprl serve rewards")
-    return create_app(**json.loads(raw))
-
-
 # ----------------------------------------------------------------------------- serving
 
 
 def bind_sockets(host: str, port: int, count: int = 1) -> list[socket.socket]:
     """Listening-ready sockets on ``port, port + 1, ..., port + count - 1`` (closed again if one fails).
 
-    Bound here rather than by uvicorn so that one set of processes can serve several
-    ports: RadVLM's clients spread requests over consecutive ports, one per worker.
+    Bound here rather than by uvicorn so that one server can serve several ports:
+    RadVLM's clients spread requests over consecutive ports, one per worker.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"ports must be a positive integer, got {count!r}")
@@ -717,7 +937,6 @@ def bind_sockets(host: str, port: int, count: int = 1) -> list[socket.socket]:
                 sock.bind((host, p))
             except OSError as exc:
                 raise OSError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from exc
-            sock.set_inheritable(True)  # worker processes inherit them
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -746,14 +965,20 @@ def serve(
 ) -> None:
     """Run the reward server under uvicorn until interrupted.
 
-    It listens on ``ports`` consecutive ports from ``port`` (RadVLM's layout: one port per
-    worker, ``WORKER_BASE_PORT + i``); ``workers`` processes (each loading the
-    components) serve all of them, so the two numbers are independent: ``--ports``
-    matches the clients' port list, ``--workers`` the machine. With ``workers > 1``
-    the settings travel to the processes in an environment variable, the token included.
+    One process (one event loop: HTTP, JSON, auth, limits) listens on ``ports``
+    consecutive ports from ``port`` (RadVLM's layout: one port per worker,
+    ``WORKER_BASE_PORT + i``). ``workers`` is how many requests are scored at once:
+    with 1, this process scores in ``scoring_threads`` threads; with more, a pool of
+    ``workers`` spawned scoring processes (each building the components from these
+    settings at startup) takes requests from one queue, whichever connection and port
+    they came on, so no process idles while another has requests waiting (clients keep
+    their connections open, which with one process per connection left work unevenly
+    spread). So ``--ports`` matches the clients' port list and ``--workers`` the
+    machine's cores. Bad settings fail here, once, before any process starts; the
+    pool's processes are started and warmed before the ports accept connections (if they
+    cannot start, uvicorn logs why and exits with status 3).
     """
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
@@ -761,23 +986,21 @@ def serve(
                     max_chars=max_chars, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                     default_type=default_type, scoring_threads=scoring_threads, class_frequencies=class_frequencies,
                     entity_embeddings=entity_embeddings, entity_encoder=entity_encoder)
+    if workers > 1:
+        settings["scoring_processes"] = workers
     if host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("reward server listening on %s: reachable from other machines%s", host,
                        "" if token else " without a token (pass --token)")
-    app = create_app(**settings)  # fail here, once, on bad settings rather than in every worker
+    app = create_app(**settings)
     sockets = bind_sockets(host, port, ports)
     listening = ", ".join(f"{host}:{s.getsockname()[1]}" for s in sockets)
+    scorers = f"{workers} scoring processes" if workers > 1 else f"{scoring_threads} scoring thread(s)"
     # uvicorn announces only the first port; say where every one is
-    print(f"grouprl reward server: {workers} process(es) listening on {listening}", file=sys.stderr, flush=True)
+    print(f"grouprl reward server: listening on {listening}, {scorers}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE))
     try:
-        if workers == 1:
-            config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
-            uvicorn.Server(config).run(sockets=sockets)
-        else:
-            os.environ[ENV_CONFIG] = json.dumps(settings)
-            config = uvicorn.Config("grouprl.rewards.server:app_from_env", factory=True, host=host, port=port,
-                                    workers=workers, log_level=log_level)
-            Multiprocess(config, sockets=sockets).run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
     finally:
