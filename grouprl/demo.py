@@ -12,11 +12,17 @@
 5. Both models are evaluated on held-out studies; a before/after table of the
    reward, the clinical metrics and the finding-level F1, a reward-curve PNG
    and summary.json are written to the run directory.
+
+`grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
+data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
+Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
+(paired by seed, grouprl.seed_stats).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +34,12 @@ from grouprl.config import config_from_dict, write_text_atomic
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
 QUICK = dict(train=96, val=16, sft_epochs=1, grpo_steps=3, n=4, prompts_per_step=8)
 REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
+# build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
+DEMO_MODEL = dict(vocab_size=1024)
+# the held-out table's columns: (title, key of evaluate()'s result)
+TABLE_COLUMNS = [("reward", "mean_reward"), ("RadGraph", "mean_radgraphf1"), ("CheXpert", "mean_cxb14micro"),
+                 ("RaTE", "mean_ratescore"), ("F1 micro", "finding_f1_micro"), ("F1 macro", "finding_f1_macro"),
+                 ("words", "mean_words")]
 
 
 def _model_config(model_path: str) -> dict:
@@ -183,7 +195,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
         "train": write_dataset(out / "data" / "train", sizes["train"], seed=seed, format="llava"),
         "val": write_dataset(out / "data" / "val", sizes["val"], seed=seed + 10_000, format="llava"),
     }
-    build_tiny_vlm(out / "init_model", corpus(), seed=seed, vocab_size=1024)
+    build_tiny_vlm(out / "init_model", corpus(), seed=seed, **DEMO_MODEL)
     console.print(f"data and tiny Qwen2.5-VL written under {out}")
 
     sft_cfg, grpo_cfg = demo_configs(out, data, sizes, seed)
@@ -209,14 +221,11 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     table = Table(title=f"held-out synthetic studies (n={len(samples)})",
                   caption="reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
                           "F1 = finding-level F1 against the generator's labels")
-    columns = [("reward", "mean_reward"), ("RadGraph", "mean_radgraphf1"), ("CheXpert", "mean_cxb14micro"),
-               ("RaTE", "mean_ratescore"), ("F1 micro", "finding_f1_micro"), ("F1 macro", "finding_f1_macro"),
-               ("words", "mean_words")]
     table.add_column("model")
-    for title, _ in columns:
+    for title, _ in TABLE_COLUMNS:
         table.add_column(title, justify="right")
     for name, r in results.items():
-        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in columns))
+        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
     console.print(table)
 
     png = out / ("compare_rewards.png" if compare else "reward_curve.png")
@@ -226,6 +235,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
         "reward": REWARD,
         "held_out_studies": len(samples),
         "sizes": sizes,
+        "model": DEMO_MODEL,
         "seed": seed,
         "models": results,
         "sft": before,
@@ -240,6 +250,201 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     console.print(f"reward curve: {png.resolve()}")
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary
+
+
+# ---------------------------------------------------------------------------- `grouprl demo --compare --seeds K`
+#
+# The comparison repeated over seeds seed, seed+1, ..., seed+K-1. Each seed is a whole
+# `run_demo(compare=True)` in <out>/seed_<s>/ (its own data, tiny model, SFT warm start and
+# RL runs), so the spread over seeds includes all of them. The models of one seed share
+# data, SFT start and prompts, so the ordering is tested on per-seed differences.
+
+# the paper's ordering (EditGRPO's table), best first
+ORDER = [VARIANTS["editgrpo"][0], VARIANTS["drgrpo"][0], VARIANTS["grpo"][0]]
+COMPARE_MODELS = ["SFT", *(label for label, _ in VARIANTS.values())]
+# longer reports are not better reports: the word count gets an interval but no ordering
+ORDERED_METRICS = [key for _, key in TABLE_COLUMNS if key != "mean_words"]
+# what run_demo writes into a run directory; anything else there is not ours to delete
+_SEED_DIR_ENTRIES = {"data", "init_model", "sft", "sft_model", *VARIANTS, "compare_rewards.png", "summary.json"}
+
+
+def seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
+    """What ``seed_dir`` holds for this seed: "new" (nothing), "complete" (a finished compare run
+    of this seed, sizes and model: its summary.json, written last and atomically) or "incomplete"
+    (only files run_demo writes, but no summary.json: an interrupted run). Anything else, such as
+    another run's results or foreign files, is a ValueError, so nothing is mixed or deleted."""
+    if not seed_dir.exists():
+        return "new"
+    if not seed_dir.is_dir():
+        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
+    summary_file = seed_dir / "summary.json"
+    if summary_file.exists():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
+        found = {"seed": summary.get("seed"), "sizes": summary.get("sizes"), "model": summary.get("model"),
+                 "models": list(summary.get("models", {}))}
+        wanted = {"seed": seed, "sizes": sizes, "model": DEMO_MODEL, "models": COMPARE_MODELS}
+        if found != wanted:
+            differ = {k: found[k] for k in wanted if found[k] != wanted[k]}
+            raise ValueError(f"{seed_dir} holds another run's results ({differ}; this run needs {wanted}); "
+                             "choose another --out, or remove that directory")
+        return "complete"
+    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in _SEED_DIR_ENTRIES
+                     and not p.name.startswith("."))  # dot files: temporaries of atomic writes
+    if foreign:
+        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
+                         "choose another --out")
+    return "incomplete"
+
+
+def check_seed_dirs(out: str | Path, *, seeds: int, seed: int = 0, quick: bool = False) -> dict[int, str]:
+    """`seed_status` of every seed's directory, checked before anything runs; K < 1 is a ValueError."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be a whole number of seeds, at least 1; got {seeds!r}")
+    sizes = QUICK if quick else FULL
+    return {s: seed_status(Path(out) / f"seed_{s}", s, sizes) for s in range(seed, seed + seeds)}
+
+
+def _min_s(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s"
+
+
+def _fmt(iv: dict, digits: int) -> str:
+    if iv["low"] is None:
+        return f"{iv['mean']:.{digits}f}"
+    return f"{iv['mean']:.{digits}f} ± {iv['half_width']:.{digits}f}"
+
+
+def _fmt_diff(iv: dict) -> str:
+    if iv["low"] is None:
+        return f"{iv['mean']:+.3f}"
+    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+
+
+def plot_seed_intervals(stats: dict, png: Path) -> None:
+    """One panel per metric: each model's mean over seeds (bar), its 95% t-interval (error bar,
+    when there are two seeds or more) and the seeds' own values (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(stats["models"])
+    short = [m.removeprefix("SFT+") for m in models]
+    fig, axes = plt.subplots(2, 4, figsize=(12, 5.6))
+    for ax, (title, key) in zip(axes.flat, TABLE_COLUMNS):
+        for i, m in enumerate(models):
+            iv = stats["models"][m][key]
+            yerr = None if iv["half_width"] is None else [[iv["half_width"]], [iv["half_width"]]]
+            ax.bar(i, iv["mean"], color=f"C{i}", alpha=0.6, yerr=yerr, capsize=4)
+            vals = iv["values"]
+            offsets = [(j - (len(vals) - 1) / 2) * 0.08 for j in range(len(vals))]
+            ax.scatter([i + o for o in offsets], vals, color="black", s=8, zorder=3)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(models)), short, rotation=30, fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    axes.flat[-1].axis("off")
+    k = stats["k"]
+    what = f"mean over {k} seeds, bars: 95% t-interval, dots: seeds" if k > 1 else "one seed: no interval"
+    fig.suptitle(f"grouprl demo --compare, held-out synthetic studies ({what})", fontsize=10)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png)
+
+
+def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed: int = 0,
+                      quick: bool = False) -> dict:
+    """`run_demo(compare=True)` for seeds seed .. seed+seeds-1 in <out>/seed_<s>/ (a finished seed's
+    results are reused), then the table of means and 95% t-intervals, the paired ordering test,
+    compare_seeds.json and compare_seeds.png in ``out``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from grouprl.seed_stats import summarize_seeds
+
+    statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    per_seed, seed_seconds, reused = {}, {}, []
+    for i, (s, status) in enumerate(statuses.items()):
+        seed_dir = out / f"seed_{s}"
+        if status == "complete":
+            console.print(f"seed {s} ({i + 1}/{seeds}): complete results in {seed_dir}, reused (not run again)")
+            reused.append(s)
+        else:
+            if status == "incomplete":
+                # a fresh trainer appends to the logs it finds; an interrupted seed starts over clean
+                console.print(f"seed {s}: {seed_dir} holds an interrupted run (no summary.json); running it again")
+                shutil.rmtree(seed_dir)
+            console.rule(f"[bold]seed {s} ({i + 1}/{seeds})")
+            run_demo(seed_dir, quick=quick, seed=s, compare=True)
+        summary = json.loads((seed_dir / "summary.json").read_text())
+        per_seed[s] = {m: summary["models"][m] for m in COMPARE_MODELS}
+        seed_seconds[s] = summary["wall_seconds"]
+
+    metrics = [key for _, key in TABLE_COLUMNS]
+    stats = summarize_seeds(per_seed, metrics=metrics, order=ORDER, ordered_metrics=ORDERED_METRICS)
+    k = stats["k"]
+    console.rule(f"[bold]{k} seed(s): {', '.join(map(str, stats['seeds']))}")
+    if k == 1:
+        console.print("[bold]one seed: means only; an interval (and the ordering test) needs at least 2 seeds "
+                      "(--seeds 2 or more)")
+    table = Table(title=f"held-out synthetic studies (n={sizes['val']} per seed): mean"
+                        + (f" ± half-width of the 95% t-interval over {k} seeds" if k > 1 else " (one seed)"))
+    table.add_column("model")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
+    for m, row in stats["models"].items():
+        table.add_row(m, *(_fmt(row[key], 1 if key == "mean_words" else 3) for _, key in TABLE_COLUMNS))
+    console.print(table)
+
+    titles = dict((key, title) for title, key in TABLE_COLUMNS)
+    pairs = list(stats["paired"])
+    order_table = Table(title=f"the paper's ordering {stats['ordering']}: paired differences per seed, "
+                              "mean [95% t-interval]")
+    order_table.add_column("metric")
+    for pair in pairs:
+        order_table.add_column(pair.replace("SFT+", ""), justify="right")
+        order_table.add_column("verdict")
+    order_table.add_column("whole ordering")
+    for key in ORDERED_METRICS:
+        cells = []
+        for pair in pairs:
+            cells += [_fmt_diff(stats["paired"][pair][key]), stats["paired"][pair][key]["verdict"]]
+        order_table.add_row(titles[key], *cells, stats["ordering_verdict"][key])
+    console.print(order_table)
+
+    png = out / "compare_seeds.png"
+    plot_seed_intervals(stats, png)
+    wall = time.perf_counter() - t_start
+    result = {
+        **stats,
+        "reward": REWARD,
+        "held_out_studies_per_seed": sizes["val"],
+        "sizes": sizes,
+        "model": DEMO_MODEL,
+        "metrics": {key: title for title, key in TABLE_COLUMNS},
+        "seed_dirs": {s: str(out / f"seed_{s}") for s in statuses},
+        "reused_seeds": reused,
+        "seed_wall_seconds": seed_seconds,
+        "wall_seconds": wall,
+        "plot": str(png),
+    }
+    write_text_atomic(out / "compare_seeds.json", json.dumps(result, indent=2))
+    ran = k - len(reused)
+    console.print(f"total wall time {_min_s(wall)} ({ran} seed(s) run, {len(reused)} reused); each seed's "
+                  "own run: " + ", ".join(f"seed {s}: {_min_s(t)}" for s, t in seed_seconds.items()))
+    console.print(f"plot: {png.resolve()}")
+    console.print(f"summary: {(out / 'compare_seeds.json').resolve()}")
+    return result
 
 
 # ---------------------------------------------------------------------------- `grouprl demo --guided`

@@ -76,6 +76,8 @@ def test_quick_compare_trains_three_variants_from_one_sft(tmp_path):
     assert main(["demo", "--quick", "--compare", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Dr.GRPO", "SFT+EditGRPO"]
+    # the model it built is recorded, so `--seeds` never reuses a seed run with another model
+    assert summary["model"] == demo.DEMO_MODEL == {"vocab_size": 1024}
     assert (out / "compare_rewards.png").read_bytes()[:4] == b"\x89PNG"
     edit_metrics = [json.loads(x) for x in (out / "editgrpo" / "metrics.jsonl").read_text().splitlines()]
     assert all("edits/edit_rate" in m for m in edit_metrics)
