@@ -520,7 +520,12 @@ _COMMA_KIND = _Kind(_COMMA)
 # Where a phrase may start (a word start), and the punctuation that matters. A
 # clause ends at a period (not a decimal point or the one of "vs."), "!", "?",
 # ";", ":" and a list marker such as "2)" or "(2)".
-_TOKEN = re.compile(r"\b[a-z]|(?P<comma>,)|(?P<end>(?<!\bvs)[.!?](?!\d)|[;:]|(?<![^\s(])\(?\d{1,2}\)(?= ))")
+# Each run of word characters is matched whole, so the scan never restarts inside a
+# word: a run that starts with a-z is a word start (no group; the same positions as
+# ``\b[a-z]``), any other run (a number, a non-ASCII word) is ``skip``. A list marker
+# is tried before ``skip``, since it can start with a digit.
+_TOKEN = re.compile(r"(?P<end>(?<!\bvs)[.!?](?!\d)|[;:]|(?<![^\s(])\(?\d{1,2}\)(?= ))"
+                    r"|[a-z]\w*|(?P<comma>,)|(?P<skip>\w+)")
 # A line break starts a new statement at a blank line, a list item or a capital
 # letter; any other line break is word wrap ("no pleural effusion or\npneumothorax").
 _HARD_NEWLINE = re.compile(r"\n\s*\n|\n(?=[ \t]*(?:\d{1,2}[.)][ \t]|[-*\u2022][ \t]|[A-Z]))")
@@ -532,7 +537,8 @@ _RANK = {None: 0, 0: 1, -1: 2, 1: 3}
 
 
 def _normalise(text: str) -> str:
-    text = _HARD_NEWLINE.sub(" ; ", text)
+    if "\n" in text:  # every hard line break holds one
+        text = _HARD_NEWLINE.sub(" ; ", text)
     return _SPACE.sub(" ", text.lower())
 
 
@@ -670,22 +676,25 @@ def label_report(text: str) -> dict[str, int | None]:
     items: list = []
     has_mention = False
     reached = 0  # phrases do not overlap: skip word starts inside the last one
+    matcher_of, kinds = _MATCHERS.get, _KINDS
     for token in _TOKEN.finditer(normal):
         start = token.start()
         if start < reached:
             continue
         group = token.lastgroup
         if group is None:  # a word start
-            matcher = _MATCHERS.get(normal[start])
+            matcher = matcher_of(normal[start])
             m = matcher.match(normal, start) if matcher is not None else None
             if m is None:
                 continue
             reached = m.end()
-            kind = _KINDS[m.lastgroup]
+            kind = kinds[m.lastgroup]
             items.append((start, reached, kind))
             has_mention = has_mention or kind.kind in (_MENTION, _STATEMENT)
         elif group == "comma":
             items.append((start, start + 1, _COMMA_KIND))
+        elif group == "skip":
+            continue
         else:  # a clause ends
             if has_mention:
                 _label_clause(normal, items, labels, start)

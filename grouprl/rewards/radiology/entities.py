@@ -86,6 +86,11 @@ class Relation(NamedTuple):
     type: str  # one of RELATION_TYPES
 
 
+# ``_tuple_new(Entity, fields)`` is what ``Entity(*fields)`` runs, without the generated
+# ``__new__``'s Python frame: half the cost of building the ~25 entities and relations of a report.
+_tuple_new = tuple.__new__
+
+
 @dataclass(frozen=True)
 class ReportGraph:
     """Entities and relations of one report. Immutable, so a cached graph can be shared."""
@@ -559,13 +564,19 @@ def _build() -> tuple[dict[str, tuple], dict[tuple[str, ...], tuple], dict[str, 
 
 
 _SINGLE, _MULTI, _LONGEST = _build()
-_EOS_WORD = "\x00"  # sentence separator in the word list; matches no phrase
-_EOS_SPECS = ((_EOS, None),)
-# One lookup per word: (its own specs or None, the longest phrase it starts or 0).
-_LEXICON: dict[str, tuple] = {w: (_SINGLE.get(w), _LONGEST.get(w, 0)) for w in set(_SINGLE) | set(_LONGEST)}
-_LEXICON[_EOS_WORD] = (_EOS_SPECS, 0)
+# One lookup per word: (its own specs or None, whether it starts a longer phrase).
+_LEXICON: dict[str, tuple] = {w: (_SINGLE.get(w), w in _LONGEST) for w in set(_SINGLE) | set(_LONGEST)}
+# The first two words of every longer phrase -> the longest phrase they start: most words
+# that start a phrase ("no", "pleural") are not followed by one, and this says so in one lookup.
+_PAIRS: dict[tuple[str, str], int] = {}
+for _words in _MULTI:
+    _PAIRS[_words[:2]] = max(_PAIRS.get(_words[:2], 0), len(_words))
+del _words
 
 _SENTENCE_BOUNDARY = re.compile(r"(?<=[.!?])\s+|\n+")  # as EditGRPO's editor splits sentences
+# The stripped pieces that splitting at _SENTENCE_BOUNDARY leaves, matched directly: runs of
+# non-space joined by spaces that hold no line break and follow no sentence end.
+_SENTENCE = re.compile(r"\S+(?:(?<![.!?])[^\S\n]+\S+)*")
 _TOKEN = re.compile(r"[a-z0-9]+|[,;:]")
 _SCOPE_LIMIT = 40  # units a cue, modifier or attachment rule may look across
 
@@ -573,21 +584,7 @@ _SCOPE_LIMIT = 40  # units a cue, modifier or attachment rule may look across
 # ----------------------------------------------------------------------------- sentences
 def sentence_spans(text: str) -> list[tuple[int, int]]:
     """Character spans of the sentences, split as EditGRPO's editor splits (empty pieces dropped)."""
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for m in _SENTENCE_BOUNDARY.finditer(text):
-        _add_piece(spans, text, pos, m.start())
-        pos = m.end()
-    _add_piece(spans, text, pos, len(text))
-    return spans
-
-
-def _add_piece(spans: list, text: str, start: int, end: int) -> None:
-    piece = text[start:end]
-    stripped = piece.strip()
-    if stripped:
-        offset = start + (len(piece) - len(piece.lstrip()))
-        spans.append((offset, offset + len(stripped)))
+    return [m.span() for m in _SENTENCE.finditer(text)]
 
 
 def split_sentences(text: str) -> list[str]:
@@ -604,12 +601,10 @@ def extract_graph(text: str) -> ReportGraph:
     if len(low) != len(text):  # a few characters lowercase to two; keep spans aligned
         low = "".join(c.lower()[:1] for c in text)
     spans = sentence_spans(low)
-    units = _units(low, spans)
-    n = len(units)
+    kinds, payloads, where = _units(low, spans)
+    n = len(kinds)
     if n == 0:
         return ReportGraph(text, (), (), tuple(spans))
-    kinds = [u[0] for u in units]
-    payloads = [u[1] for u in units]
 
     _resolve_positions(kinds)
     group_head = _anatomy_groups(kinds)
@@ -621,8 +616,8 @@ def extract_graph(text: str) -> ReportGraph:
 
     ids = [-1] * n
     entities: list[Entity] = []
-    for i in range(n):
-        k = kinds[i]
+    members: list[int] = []  # the units that became entities: only they take part in relations
+    for i, k in enumerate(kinds):
         if k == _ANAT:
             text_i, label, category = payloads[i], ANAT_DP, "anatomy"
         elif head[i]:
@@ -633,16 +628,17 @@ def extract_graph(text: str) -> ReportGraph:
         else:
             continue
         ids[i] = len(entities)
-        u = units[i]
-        entities.append(Entity(len(entities), text_i, label, u[4], u[2], u[3], category))
+        members.append(i)
+        start, end, sentence = where[i]
+        entities.append(_tuple_new(Entity, (len(entities), text_i, label, sentence, start, end, category)))
 
     relations: dict[Relation, None] = {}  # insertion-ordered set
 
     def relate(a: int, b: int, kind: str) -> None:
         if a != b and ids[a] >= 0 and ids[b] >= 0:
-            relations[Relation(ids[a], ids[b], kind)] = None
+            relations[_tuple_new(Relation, (ids[a], ids[b], kind))] = None
 
-    for i in range(n):
+    for i in members:
         k = kinds[i]
         if k == _ANAT:
             if group_head[i] != i:
@@ -675,54 +671,62 @@ def _recent_graph(text: str) -> ReportGraph:
     return extract_graph(text)
 
 
-def _units(low: str, spans: list[tuple[int, int]]) -> list[tuple]:
-    """Words -> units ``(kind, payload, start, end, sentence)`` by longest phrase match,
-    with a sentence-end unit between sentences."""
-    words: list[str] = []
-    tokens: list = []  # the word's match object (for its span), or the sentence index at a sentence end
-    finditer = _TOKEN.finditer
-    for s, (a, b) in enumerate(spans):
-        if s:
-            words.append(_EOS_WORD)
-            tokens.append(s)
-        found = list(finditer(low, a, b))
-        tokens.extend(found)
-        words.extend([m.group() for m in found])
+def _units(low: str, spans: list[tuple[int, int]]) -> tuple[list[int], list, list]:
+    """Words -> units by longest phrase match, with a sentence-end unit between sentences:
+    each unit's kind, its payload, and where it is, ``(start, end, sentence)`` (None for a
+    filler or a sentence end, which never become entities), as three parallel lists.
 
-    units: list[tuple] = []
-    append = units.append
-    lexicon, multi = _LEXICON, _MULTI
-    n = len(words)
-    sent = 0
-    i = 0
-    while i < n:
-        w = words[i]
-        entry = lexicon.get(w)
-        if entry is None:
-            append((_FILL, w, 0, 0, sent))  # fillers never become entities: no span needed
-            i += 1
-            continue
-        specs, most = entry
-        if specs is _EOS_SPECS:
-            sent = tokens[i]
-            append((_EOS, None, 0, 0, sent))
-            i += 1
-            continue
-        length = 1
-        if most:
-            for L in range(min(most, n - i), 1, -1):
-                found_specs = multi.get(tuple(words[i:i + L]))
-                if found_specs is not None:
-                    specs, length = found_specs, L
-                    break
-        if specs is None:
-            append((_FILL, w, 0, 0, sent))
-        else:
-            start, end = tokens[i].start(), tokens[i + length - 1].end()
+    Parallel lists and one position tuple per phrase, not a tuple per unit: fewer objects
+    for the garbage collector to count, at ~30 units per report.
+    """
+    kinds: list[int] = []
+    payloads: list = []
+    where: list[tuple[int, int, int] | None] = []
+    add_kind, add_payload, add_where = kinds.append, payloads.append, where.append
+    lexicon, multi, pairs = _LEXICON, _MULTI, _PAIRS
+    findall, find = _TOKEN.findall, low.find
+    # Sentence by sentence: no phrase spans a sentence end.
+    for sent, (a, b) in enumerate(spans):
+        if sent:
+            add_kind(_EOS)
+            add_payload(None)
+            add_where(None)
+        words = findall(low, a, b)
+        n = len(words)
+        pos = a  # the end of the previous word: the next word is the first place it occurs from here
+        done = 0  # words before this are units already (the rest of a phrase)
+        for i, w in enumerate(words):
+            if i < done:
+                continue
+            start = find(w, pos)
+            pos = start + len(w)
+            entry = lexicon.get(w)
+            if entry is None:
+                add_kind(_FILL)
+                add_payload(w)
+                add_where(None)
+                continue
+            specs, starts_phrase = entry
+            # Only a word pair that starts some phrase is worth trying phrase lengths for.
+            if starts_phrase and i + 1 < n and (most := pairs.get((w, words[i + 1]))):
+                for L in range(min(most, n - i), 1, -1):
+                    found_specs = multi.get(tuple(words[i:i + L]))
+                    if found_specs is not None:
+                        specs, done = found_specs, i + L
+                        for other in words[i + 1:done]:  # the phrase's other words
+                            pos = find(other, pos) + len(other)
+                        break
+            if specs is None:
+                add_kind(_FILL)
+                add_payload(w)
+                add_where(None)
+                continue
+            span = (start, pos, sent)
             for kind, payload in specs:
-                append((kind, payload, start, end, sent))
-        i += length
-    return units
+                add_kind(kind)
+                add_payload(payload)
+                add_where(span)
+    return kinds, payloads, where
 
 
 def _resolve_positions(kinds: list[int]) -> None:

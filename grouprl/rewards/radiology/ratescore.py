@@ -87,6 +87,11 @@ class RateEntity(NamedTuple):  # a NamedTuple: immutable and cheap to build
                 "start": self.start, "end": self.end}
 
 
+# ``_tuple_new(RateEntity, fields)`` is what ``RateEntity(*fields)`` runs, without the generated
+# ``__new__``'s Python frame (entities_from_graph builds one per entity of every new report).
+_tuple_new = tuple.__new__
+
+
 def _rate_type(category: str, label: str) -> str:
     negated = label == OBS_DA
     if category == "disease":
@@ -116,13 +121,13 @@ def entities_from_graph(graph: ReportGraph) -> tuple[RateEntity, ...]:
         kind = ANATOMY if e.label == ANAT_DP else _rate_type(e.category, e.label)
         parts = modifiers.get(e.id)
         if parts is None:
-            out.append(RateEntity(e.text, e.text, kind, e.sentence, e.start, e.end))
+            out.append(_tuple_new(RateEntity, (e.text, e.text, kind, e.sentence, e.start, e.end)))
             continue
         parts = sorted(parts)  # ids are in reading order
         text = " ".join([ents[i].text for i in parts] + [e.text])
         start = min(e.start, ents[parts[0]].start)
         end = max(e.end, max(ents[i].end for i in parts))
-        out.append(RateEntity(text, e.text, kind, e.sentence, start, end))
+        out.append(_tuple_new(RateEntity, (text, e.text, kind, e.sentence, start, end)))
     return tuple(out)
 
 

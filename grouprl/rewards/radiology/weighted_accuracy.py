@@ -30,10 +30,11 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from grouprl.rewards.radiology.batch_parses import batch_scope
 from grouprl.rewards.radiology.chexpert import BACKEND as LABELER_BACKEND
 from grouprl.rewards.radiology.chexpert import OBSERVATIONS
 from grouprl.rewards.radiology.components import Component, register_component
-from grouprl.rewards.radiology.label_metrics import label_pairs, to_binary
+from grouprl.rewards.radiology.label_metrics import _check_texts, binary_labels
 
 NAME = "cxb_bal_acc_editgrpo"
 
@@ -104,8 +105,25 @@ def weighted_accuracy_scores(hyps: Sequence[str], refs: Sequence[str],
                              frequencies: Mapping[str, float] | None = None) -> list[float]:
     """EditGRPO's ``cxb_bal_acc`` value of each pair, in [0, 7]."""
     per_class = [None if frequencies is None else frequencies.get(c) for c in OBSERVATIONS]
-    hyps_labels, refs_labels = label_pairs(list(hyps), list(refs))
-    return [weighted_label_agreement(to_binary(h), to_binary(r), per_class) for h, r in zip(hyps_labels, refs_labels)]
+    # Each class's (w_pos, w_neg) for a reference label of 0 and of 1, worked out once per call
+    # rather than per pair: only a class without a frequency depends on the label (f_c = r_c).
+    weights = [(class_weights(0.0), class_weights(1.0)) if f is None else (class_weights(f),) * 2
+               for f in per_class]
+    hyps, refs = list(hyps), list(refs)
+    _check_texts(hyps, refs)
+    with batch_scope():  # the binary labels are the ones cxb14micro reads: shared in a request's scope
+        return [_agreement(binary_labels(h, True), binary_labels(r, True), weights) for h, r in zip(hyps, refs)]
+
+
+def _agreement(hyp: bytes, ref: bytes, weights: list) -> float:
+    """:func:`weighted_label_agreement` with the class weights looked up (the same sums, in the same order)."""
+    total = 0.0
+    for h, r, w in zip(hyp, ref, weights):
+        if h and r:
+            total += w[1][0]
+        elif not h and not r:
+            total += w[0][1]
+    return total / 2.0
 
 
 @register_component(NAME, backend=backend())
