@@ -230,3 +230,29 @@ def test_graph_of_is_cached_and_immutable():
     assert graph_of("Small left effusion.") is a
     with pytest.raises((AttributeError, TypeError)):
         a.entities[0].label = "OBS-DA"
+
+
+def test_sentence_spans_equal_editgrpos_split():
+    """sentence_spans matches the stripped, non-empty pieces of EditGRPO's split
+    (re.split(r"(?<=[.!?])\\s+|\\n+")) on texts full of its edge cases."""
+    import random
+
+    from grouprl.rewards.radiology.entities import _SENTENCE_BOUNDARY, sentence_spans
+
+    def by_split(text):
+        spans, pos = [], 0
+        for m in list(_SENTENCE_BOUNDARY.finditer(text)) + [None]:
+            end = m.start() if m else len(text)
+            piece = text[pos:end]
+            if piece.strip():
+                start = pos + len(piece) - len(piece.lstrip())
+                spans.append((start, start + len(piece.strip())))
+            pos = m.end() if m else pos
+        return spans
+
+    assert _SENTENCE_BOUNDARY.pattern == r"(?<=[.!?])\s+|\n+"
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", "  ", ".", "!", "?", "\n", "\t", "\u00a0", "\r", "\u2028", "x."]
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 14)))
+        assert sentence_spans(text) == by_split(text), repr(text)
