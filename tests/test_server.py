@@ -465,7 +465,12 @@ POOL_COMPONENTS = textwrap.dedent("""
     def t_boom(hyps, refs):
         raise RuntimeError("labeler exploded")
 
-    for fn in (t_pid, t_gate, t_boom):
+    def t_gc(hyps, refs):
+        import gc
+        # the process's first collector threshold when its startup objects are frozen, else -1
+        return [float(gc.get_threshold()[0]) if gc.get_freeze_count() > 0 else -1.0] * len(hyps)
+
+    for fn in (t_pid, t_gate, t_boom, t_gc):
         COMPONENTS[fn.__name__] = Component(fn.__name__, fn, "test=" + fn.__name__)
 """)
 
@@ -611,6 +616,39 @@ def test_one_connection_is_scored_by_whichever_process_is_idle(pool_server):
         addresses = {r.extensions["network_stream"].get_extra_info("client_addr") for r in (r1, r2)}
         assert len(addresses) == 1  # both answers came over the one connection
     assert {x, y} == set(httpx.get(url + "/health", timeout=30).json()["scoring"]["pids"])
+
+
+def test_scoring_processes_collect_garbage_rarely_and_skip_startup_objects(pool_server):
+    """Full collections walking startup objects stalled requests: each scoring process freezes them
+    and uses the serving thresholds."""
+    import httpx
+
+    with httpx.Client(timeout=60) as http:
+        r = pool_post(http, pool_server["urls"][0], "t_gc", ["a", "b"])
+    assert r.status_code == 200, r.text
+    assert r.json()["data"]["predictions"]["t_gc"] == [float(server.SERVING_GC_THRESHOLDS[0])] * 2
+
+
+def test_serve_tunes_the_collector_of_its_own_process(monkeypatch):
+    """With --workers 1 the serving process scores: serve() freezes its startup objects and sets the
+    serving thresholds before it serves."""
+    import gc
+
+    import uvicorn
+
+    seen = {}
+
+    def fake_run(self, sockets=None):
+        seen.update(threshold=gc.get_threshold(), frozen=gc.get_freeze_count())
+
+    old = gc.get_threshold()
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    try:
+        server.serve(port=0, entity_embeddings="ngram", log_level="warning")
+    finally:  # this is the test process: undo
+        gc.set_threshold(*old)
+        gc.unfreeze()
+    assert seen["threshold"] == server.SERVING_GC_THRESHOLDS and seen["frozen"] > 0
 
 
 def test_pool_component_failure_is_500_and_the_server_keeps_serving(pool_server):

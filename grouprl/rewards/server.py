@@ -75,6 +75,7 @@ disconnects mid-body is logged in one line.
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import hmac
 import json
 import logging
@@ -126,6 +127,12 @@ DEFAULT_BODY_TIMEOUT = 60.0
 
 SCORING_PID_HEADER = "X-Scoring-Pid"  # which process scored an answer
 POOL_START_TIMEOUT = 300.0  # seconds the scoring processes may take to import and build their components
+# The cyclic collector's thresholds in the server's processes (CPython's defaults: 700, 10, 10).
+# With the defaults, the full collections, which walk every object the process holds (the
+# imported libraries, the sentence encoder, the text-keyed parse caches), stalled one GRPO-shaped
+# request in ~30 by 70-80 ms: in-process p99 97-110 ms against a 25 ms median. With these (and
+# the startup objects frozen), p99 27-38 ms, and collection time per request 2.5 -> 0.3 ms.
+SERVING_GC_THRESHOLDS = (20_000, 20, 20)
 # Seconds a stopping server lets requests in progress finish before cancelling them: a stuck
 # component must not keep it from stopping.
 SHUTDOWN_GRACE = 10.0
@@ -549,6 +556,7 @@ def _pool_init(settings: dict[str, Any], started) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _POOL_SCORING = scoring_context(**settings)
     _POOL_STARTED = started
+    tune_gc_for_serving()
 
 
 def _pool_warm() -> int:
@@ -563,6 +571,15 @@ def _pool_warm() -> int:
     except Exception as exc:
         logger.debug("scoring process %d: warm-up scoring failed: %s", os.getpid(), exc)
     return os.getpid()
+
+
+def tune_gc_for_serving() -> None:
+    """Set the collector up for a process that only serves: what startup built (modules, models,
+    the components' tables) is moved out of its walks (``gc.freeze``), and it collects less often
+    (:data:`SERVING_GC_THRESHOLDS`). Called once a process has built its components."""
+    gc.collect()  # freeze only what survives: garbage frozen now would never be freed
+    gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
 
 
 def _pool_call(work: Callable[..., Any], *args: Any) -> tuple[int, Any]:
@@ -992,6 +1009,7 @@ def serve(
         logger.warning("reward server listening on %s: reachable from other machines%s", host,
                        "" if token else " without a token (pass --token)")
     app = create_app(**settings)
+    tune_gc_for_serving()  # this process scores too with --workers 1
     sockets = bind_sockets(host, port, ports)
     listening = ", ".join(f"{host}:{s.getsockname()[1]}" for s in sockets)
     scorers = f"{workers} scoring processes" if workers > 1 else f"{scoring_threads} scoring thread(s)"
