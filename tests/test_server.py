@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from live_server import two_free_ports  # noqa: E402  (tests/live_server.py)
 from grouprl.rewards import server  # noqa: E402
 from grouprl.rewards.radiology.components import COMPONENTS, Component  # noqa: E402
 
@@ -473,22 +474,6 @@ POOL_COMPONENTS = textwrap.dedent("""
     for fn in (t_pid, t_gate, t_boom, t_gc):
         COMPONENTS[fn.__name__] = Component(fn.__name__, fn, "test=" + fn.__name__)
 """)
-
-
-def two_free_ports() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return base
-    pytest.skip("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")

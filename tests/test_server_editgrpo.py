@@ -14,13 +14,13 @@ import random
 import re
 import socket
 import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from live_server import app_in_thread  # noqa: E402  (tests/live_server.py)
 from grouprl.rewards import server  # noqa: E402
 from grouprl.rewards.radiology.components import COMPONENTS, Component  # noqa: E402
 from grouprl.rewards.radiology.entity_embeddings import encoder_available, hashed_ngram_vector  # noqa: E402
@@ -275,24 +275,9 @@ class Signal(logging.Handler):
 
 @pytest.fixture
 def live(request):
-    uvicorn = pytest.importorskip("uvicorn")
     options = getattr(request, "param", {})
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.create_app(entity_embeddings="ngram", **options), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "reward server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
+    with app_in_thread(server.create_app(entity_embeddings="ngram", **options)) as port:
+        yield port
 
 def read_all(conn):
     chunks = []

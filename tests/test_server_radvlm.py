@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from live_server import app_in_thread, two_free_ports  # noqa: E402  (tests/live_server.py)
 from grouprl.rewards import server  # noqa: E402
 from grouprl.rewards.radiology.components import COMPONENTS, Component  # noqa: E402
 
@@ -82,26 +83,10 @@ def radvlm_client(node_ip: str, base_port: int, num_gpus: int, instances_per_gpu
 # ----------------------------------------------------------------------------- the real server, two ports
 
 
-def _two_free_ports() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return base
-    pytest.skip("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def radvlm_layout():
     """`grouprl serve rewards --port B --ports 2 --workers 2`: RadVLM's layout, 2 scoring processes."""
-    base = _two_free_ports()
+    base = two_free_ports()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grouprl", "serve", "rewards", "--port", str(base), "--ports", "2",
                              "--workers", "2", "--entity-embeddings", "ngram", "--log-level", "warning"],
@@ -155,23 +140,8 @@ def test_radvlm_port_layout_with_several_workers(radvlm_layout):
 @pytest.fixture(scope="module")
 def live_server():
     """The real app (real components) under uvicorn on one port."""
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.create_app(entity_embeddings="ngram"), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "reward server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
+    with app_in_thread(server.create_app(entity_embeddings="ngram")) as port:
+        yield port
 
 def test_radvlm_client_gets_radvlms_scores(live_server):
     score, compute_score, _ = radvlm_client("127.0.0.1", live_server, num_gpus=1, instances_per_gpu=1)
