@@ -67,7 +67,7 @@ COMPOSITE = ["radgraphf1", "cxb14micro", "ratescore"]
 
 # ----------------------------------------------------------------------------- request shapes
 def reports(n: int, seed: int) -> list[str]:
-    from grouprl.data.synthetic_cxr import generate_studies
+    from grouprl.domains.radiology.synthetic.cxr import generate_studies
 
     # generate_studies renders images too; the reports alone are what is scored
     return [s.report for s in generate_studies(n, seed=seed, image_size=28)]
@@ -129,7 +129,7 @@ def tagged(pairs: tuple[list[str], list[str]], tag: str) -> tuple[list[str], lis
 # ----------------------------------------------------------------------------- 1. scoring speed
 def clear_caches() -> None:
     """Per-text caches (graph extraction) would make a repeated run look faster than a fresh batch."""
-    from grouprl.rewards.radiology import entities, kg, ratescore
+    from grouprl.domains.radiology.rewards import entities, kg, ratescore
 
     for module in (entities, ratescore, kg):
         for value in vars(module).values():
@@ -149,7 +149,7 @@ def rate(fn: Callable[[], object], n: int, repeats: int = 3) -> float:
 
 
 def scoring_speed(n: int, n_refs: int, rollouts: int) -> dict:
-    from grouprl.rewards.radiology import label_reports, score_components
+    from grouprl.domains.radiology.rewards import label_reports, score_components
 
     hyps, refs = reports(n, seed=1), reports(n, seed=2)
     # as many pairs as the distinct batch, in GRPO groups
@@ -310,7 +310,7 @@ def server_latency(shape_pairs: dict, workers: int, clients: int, requests: int,
 
 # ----------------------------------------------------------------------------- 3. split across processes
 def _score_part(hyps: list[str], refs: list[str]) -> dict[str, list[float]]:
-    from grouprl.rewards.radiology import score_components
+    from grouprl.domains.radiology.rewards import score_components
 
     return score_components(hyps, refs, COMPOSITE)
 

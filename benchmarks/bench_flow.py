@@ -50,8 +50,8 @@ def slow_red(images, prompts, **metadata):
 
 
 def child(root: Path, name: str, args) -> dict:
-    from grouprl.diffusion.config import flow_config_from_dict
-    from grouprl.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.config import flow_config_from_dict
+    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
 
     algorithm, mode = RUNS[name]
     config = flow_config_from_dict({
@@ -107,8 +107,8 @@ def main() -> None:
         print("RESULT " + json.dumps(child(Path(args._child[0]), args._child[1], args)))
         return
 
-    from grouprl.diffusion.shapes import make_prompts
-    from grouprl.diffusion.tiny import build_tiny_pixel_flow
+    from grouprl.domains.diffusion.shapes import make_prompts
+    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

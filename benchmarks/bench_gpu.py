@@ -134,7 +134,7 @@ def build_shape(name: str, root: Path, seed: int, device: str) -> dict:
     shape = SHAPES[name]
     root.mkdir(parents=True, exist_ok=True)
     if shape.kind == "vlm":
-        from grouprl.data.synthetic_cxr import corpus
+        from grouprl.domains.radiology.synthetic.cxr import corpus
 
         data = write_cxr(root / "data", shape.studies, seed=seed, size=shape.model.get("image_size", 112))
         text = corpus()
@@ -170,7 +170,7 @@ def write_cxr(directory: Path, n: int, *, seed: int, size: int) -> Path:
     """
     from PIL import Image
 
-    from grouprl.data.synthetic_cxr import PROMPT, generate_study
+    from grouprl.domains.radiology.synthetic.cxr import PROMPT, generate_study
 
     (directory / "images").mkdir(parents=True, exist_ok=True)
     paint = min(size, max(112, size // 4))

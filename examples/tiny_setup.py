@@ -12,11 +12,11 @@ same. Under ROOT it writes, once:
   "Which findings are present?", answered with the present findings, comma-separated,
   the report as the reasoning, question type "findings";
 - ``math/data.jsonl``: synthetic arithmetic word problems in EasyR1 format, with worked
-  solutions ending in ``<answer>\\boxed{N}</answer>`` (``grouprl.data.synthetic_math``), the
+  solutions ending in ``<answer>\\boxed{N}</answer>`` (``grouprl.domains.reasoning.synthetic_math``), the
   task of recipes with a verifier: the rule verifier checks their boxed answers;
 - for flow-matching recipes (``kind: flow``), only when one is run (they need
   ``grouprl[diffusion]``): ``flow_model/``, grouprl's tiny pixel-space SD3 transformer
-  (``grouprl.diffusion.tiny.build_tiny_pixel_flow``, 16 x 16 RGB) with its tiny CLIP text
+  (``grouprl.domains.diffusion.tiny.build_tiny_pixel_flow``, 16 x 16 RGB) with its tiny CLIP text
   encoder, and ``ocr/train.txt``, prompts quoting a word to render (Flow-GRPO's OCR layout).
 
 The overrides come from ``tiny_overrides.txt`` next to this file: its ``[all]`` lines for
@@ -49,7 +49,7 @@ NO_FINDING = "no finding"
 
 def build(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
     """Write the tiny model and both datasets under ``root`` (kept when already there)."""
-    from grouprl.data.synthetic_cxr import corpus, write_dataset
+    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
 
     root = Path(root)
     paths = {"model": root / "model", **{task: root / file for task, file in DATA_FILES.items()}}
@@ -58,11 +58,11 @@ def build(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
     if not paths["vqa"].exists():
         write_vqa(paths["vqa"], STUDIES, seed=seed + 1)
     if not paths["math"].exists():
-        from grouprl.data import synthetic_math
+        from grouprl.domains.reasoning import synthetic_math
 
         synthetic_math.write_dataset(paths["math"], synthetic_math.generate_problems(STUDIES, seed=seed + 2))
     if not (paths["model"] / "config.json").exists():
-        from grouprl.data.synthetic_cxr import FINDINGS
+        from grouprl.domains.radiology.synthetic.cxr import FINDINGS
         from grouprl.models.tiny import build_tiny_vlm
 
         text = corpus() + [VQA_QUESTION, "<think>", "</think>", "<answer>", "</answer>", NO_FINDING]
@@ -79,7 +79,7 @@ def build_flow(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
         paths["ocr"].parent.mkdir(parents=True, exist_ok=True)
         paths["ocr"].write_text("".join(f'A sign that says "{word}"\n' for word in OCR_WORDS))
     if not (paths["model"] / "flow_model.json").exists():
-        from grouprl.diffusion.tiny import build_tiny_pixel_flow
+        from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
 
         build_tiny_pixel_flow(paths["model"], seed=seed, image_size=16,
                               corpus=[f'A sign that says "{word}"' for word in OCR_WORDS])
@@ -98,7 +98,7 @@ def finding_label(name: str) -> str:
 
 def write_vqa(path: str | Path, n: int, *, seed: int) -> Path:
     """CheXPO-style VQA records (ms-swift format) about ``n`` synthetic studies."""
-    from grouprl.data.synthetic_cxr import write_dataset
+    from grouprl.domains.radiology.synthetic.cxr import write_dataset
 
     path = Path(path)
     # the studies' images and reports, in LLaVA form, then re-dressed as questions

@@ -30,8 +30,8 @@ def cmd_train(args) -> int:
 
     values = read_config_values(args.config, args.overrides)
     if values.get("kind") == "flow":  # a flow-matching image model: Flow-GRPO and its family
-        from grouprl.diffusion.config import flow_config_from_dict
-        from grouprl.diffusion.trainer import FlowGRPOTrainer
+        from grouprl.domains.diffusion.config import flow_config_from_dict
+        from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
 
         config = flow_config_from_dict(values)
         trainer = FlowGRPOTrainer(config)
@@ -65,14 +65,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from grouprl.demo import run_demo
+    from grouprl.domains.radiology.demo import run_demo
 
     if args.seeds is not None:
         if not args.compare or args.guided or args.flow:
             print("grouprl demo: --seeds K repeats the --compare demo over K seeds; use it with --compare "
                   "(and without --guided or --flow)", file=sys.stderr)
             return 2
-        from grouprl.demo import check_seed_dirs, run_compare_seeds
+        from grouprl.domains.radiology.demo import check_seed_dirs, run_compare_seeds
 
         out = args.out or "runs/demo-compare"
         try:  # before anything runs: K >= 1, and no seed directory holds another run's results
@@ -86,7 +86,7 @@ def cmd_demo(args) -> int:
         if args.compare or args.guided:
             print("grouprl demo: --flow, --guided and --compare are separate demos; choose one", file=sys.stderr)
             return 2
-        from grouprl.diffusion.demo import run_flow_demo
+        from grouprl.domains.diffusion.demo import run_flow_demo
 
         run_flow_demo(args.out or "runs/demo-flow", quick=args.quick, seed=args.seed)
         return 0
@@ -94,7 +94,7 @@ def cmd_demo(args) -> int:
         if args.compare:
             print("grouprl demo: --guided and --compare are separate demos; choose one", file=sys.stderr)
             return 2
-        from grouprl.demo import run_guided_demo
+        from grouprl.domains.reasoning.demo import run_guided_demo
 
         run_guided_demo(args.out or "runs/demo-guided", quick=args.quick, seed=args.seed)
         return 0
@@ -110,7 +110,7 @@ def _names(values: list[str] | None) -> list[str] | None:
 
 
 def cmd_eval(args) -> int:
-    from grouprl.evaluation import EvalDataError, evaluate_file
+    from grouprl.domains.radiology.evaluation import EvalDataError, evaluate_file
     from grouprl.rewards.judge import JudgeError, judge_from_options
 
     try:
@@ -145,7 +145,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from grouprl.evaluation import generate_file
+    from grouprl.domains.radiology.evaluation import generate_file
 
     load = {"format": args.format, "id_key": args.id_key}
     if args.image_dir:
@@ -164,10 +164,10 @@ def cmd_generate(args) -> int:
 def cmd_serve_rewards(args) -> int:
     import os
 
-    from grouprl.rewards.server import serve
+    from grouprl.domains.radiology.server.app import serve
 
     token = args.token if args.token is not None else os.environ.get("GROUPRL_REWARD_TOKEN") or None
-    from grouprl.rewards.server import DEFAULT_COMPONENTS
+    from grouprl.domains.radiology.server.app import DEFAULT_COMPONENTS
 
     try:
         serve(args.host, args.port, args.workers, token, ports=args.ports,
@@ -183,7 +183,7 @@ def cmd_serve_rewards(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from grouprl.data.sampling import (SamplingError, candidate_indices, group_by_type, read_records,
+    from grouprl.domains.radiology.sample_selection import (SamplingError, candidate_indices, group_by_type, read_records,
                                        stratified_sample, write_records)
 
     try:

@@ -245,7 +245,7 @@ class VerifierConfig:
     top_p: float = 0.95
     top_k: int = -1  # -1 = off
     max_tokens: int = 256  # most tokens per verifier reply
-    backend: str = field(default="auto", metadata=_choices("auto", "http", "local", "rule"))
+    backend: str = "auto"  # auto | http | local | a registered backend (the reasoning domain's rule)
     use_http: bool = False  # the seed's switch; picks http over local when backend is auto
     base_url: str | None = None  # http: e.g. http://host:8000/v1 (requests go to {base_url}/chat/completions)
     model: str | None = None  # http: the served model's name
@@ -597,11 +597,12 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_values(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, nested sections merged key by key (neither is changed)."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_values(out[key], value)
         else:
             out[key] = value
     return out
@@ -630,8 +631,8 @@ def read_config_values(path: str | os.PathLike | None = None, overrides: list[st
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        values = _merge(values, loaded)
-    return _merge(values, parse_overrides(overrides or []))
+        values = merge_values(values, loaded)
+    return merge_values(values, parse_overrides(overrides or []))
 
 
 def config_from_dict(values: dict) -> Config:

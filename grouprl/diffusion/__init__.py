@@ -1,32 +1,4 @@
-"""Group-relative RL for flow-matching image models: Flow-GRPO, Flow-GRPO-Fast and GRPO-Guard.
+"""Moved to ``grouprl.domains.diffusion`` (``sampling`` is now ``scheduler``); this path works until the next release."""
+from grouprl.moved import alias_package
 
-diffusers' split: ``models`` (the transformer, text encoders and VAE, loaded from a
-local path), ``sampling`` (the SDE / CPS step with its log-probability, pure
-functions), ``pipeline`` (the loop that runs them), ``objectives`` (advantages, the
-clipped ratio loss, KL, GRPO-Guard), ``rewards`` (image rewards) and ``trainer``.
-The sampling math needs only torch; everything that loads a model needs
-``pip install 'grouprl[diffusion]'``.
-"""
-
-from __future__ import annotations
-
-import importlib
-
-# public name -> the module that defines it; imported on first use, so `grouprl.diffusion.sde_step`
-# does not import diffusers
-_EXPORTS = {
-    "sde_step": "grouprl.diffusion.sampling",
-    "SDEStepOutput": "grouprl.diffusion.sampling",
-    "cfg_velocity": "grouprl.diffusion.sampling",
-    "FlowConfig": "grouprl.diffusion.config",
-    "load_flow_config": "grouprl.diffusion.config",
-    "FlowGRPOTrainer": "grouprl.diffusion.trainer",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'grouprl.diffusion' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+alias_package(__name__, "grouprl.domains.diffusion", renamed={"sampling": "scheduler"})

@@ -20,7 +20,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from grouprl.data.sample import Sample
-from grouprl.models.prompts import encode_sample, model_config, tokenizer_of, unwrap_model
+from grouprl.models.inputs import encode_sample, model_config, tokenizer_of, unwrap_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 

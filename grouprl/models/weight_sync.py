@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grouprl.models.prompts import unwrap_model
+from grouprl.models.inputs import unwrap_model
 
 _PEFT_PREFIX = "base_model.model."
 # Wrappers some tools put around modules; they are not part of the checkpoint names.

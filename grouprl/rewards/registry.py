@@ -35,13 +35,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 _FILE_MODULES: dict[Path, object] = {}
 _FILE_LOCK = threading.Lock()
 
-PLUGIN_GROUP = "grouprl.plugins"
-
-# Plugin name -> its imported module. Guarded by a re-entrant lock because importing a
-# plugin runs its register_reward calls, and could look names up in turn.
-_PLUGINS: dict[str, object] = {}
-_PLUGINS_DONE = False  # every installed plugin imported; set only after all succeeded
-_PLUGIN_LOCK = threading.RLock()
+from grouprl.registry import PLUGIN_GROUP
 
 
 class RewardLoadError(ValueError):
@@ -77,30 +71,17 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def load_plugins() -> list[str]:
-    """Import every installed ``grouprl.plugins`` entry point not imported yet; the loaded plugins' names.
+    """Import every installed ``grouprl.plugins`` entry point (:func:`grouprl.registry.load_plugins`).
 
-    A plugin that fails to import raises :class:`RewardLoadError` naming it (and is
-    tried again on the next call): a broken plugin must not silently take its
-    rewards away.
+    A plugin that fails to import raises :class:`RewardLoadError` naming it: a broken
+    plugin must not silently take its rewards away.
     """
-    global _PLUGINS_DONE
-    with _PLUGIN_LOCK:
-        if not _PLUGINS_DONE:
-            for entry_point in importlib.metadata.entry_points(group=PLUGIN_GROUP):
-                if entry_point.name not in _PLUGINS:
-                    _PLUGINS[entry_point.name] = _import_plugin(entry_point)
-            _PLUGINS_DONE = True
-        return sorted(_PLUGINS)
+    from grouprl import registry
 
-
-def _import_plugin(entry_point: importlib.metadata.EntryPoint) -> object:
     try:
-        return entry_point.load()
-    except Exception as exc:
-        raise RewardLoadError(
-            f"grouprl plugin {entry_point.name!r} ({entry_point.value}, entry point group {PLUGIN_GROUP}) "
-            f"failed to import: {type(exc).__name__}: {exc}"
-        ) from exc
+        return registry.load_plugins()
+    except registry.PluginError as exc:
+        raise RewardLoadError(str(exc)) from exc
 
 
 def registered_rewards() -> list[str]:

@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from grouprl.data.sample import Sample
-from grouprl.models.prompts import (
+from grouprl.models.inputs import (
     collate_model_inputs,
     encode_prompts,
     forward_kwargs,

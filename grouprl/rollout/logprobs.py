@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grouprl.models.prompts import collate_model_inputs, forward_kwargs, forward_parameters, model_device
+from grouprl.models.inputs import collate_model_inputs, forward_kwargs, forward_parameters, model_device
 from grouprl.rollout.batch import RolloutBatch
 
 

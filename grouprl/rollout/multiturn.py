@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grouprl.data.sample import Sample
-from grouprl.models.prompts import left_pad, tokenizer_of
+from grouprl.models.inputs import left_pad, tokenizer_of
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, SamplingParams
 
@@ -129,7 +129,7 @@ def turn_boundary_ids(processor, message: str, *, after_end_of_turn: bool) -> li
 
 
 def _end_of_turn_text(tokenizer) -> str | None:
-    from grouprl.models.prompts import end_of_turn_id
+    from grouprl.models.inputs import end_of_turn_id
 
     return tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
 

@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import CompileConfig
 
-from grouprl.models.prompts import model_device
+from grouprl.models.inputs import model_device
 from grouprl.rollout.engine import SamplingParams
 from grouprl.rollout.hf_engine import HFGenerationEngine
 

@@ -23,10 +23,9 @@ Backends (``worker.rollout.verifier.backend``):
 - ``local``: a transformers checkpoint loaded with its real weights (the seed built
   its local verifier on random weights), prompted through its own chat template and
   sampled with the verifier's settings by grouprl's ``hf`` engine.
-- ``rule``: a deterministic stand-in with the same inputs, for demos and tests: it
-  stops on a correct boxed answer, asks for the format when there is none, otherwise
-  says what is wrong and gives one cue. It has no fluency, and its hallucination
-  check only knows numbers.
+- more by name from :data:`VERIFIER_BACKENDS`: the reasoning domain registers ``rule``,
+  a deterministic stand-in with the same inputs for demos and tests
+  (``grouprl.domains.reasoning``'s plugin; see :func:`register_verifier_backend`).
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from grouprl.config import ConfigError, VerifierConfig
+from grouprl.registry import Registry
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, chat_completions_url
 # The final-answer rules live with the rewards (the format reward uses them too); re-exported here
 # because a dialogue's STOP depends on them.
@@ -237,6 +236,22 @@ class Verifier(abc.ABC):
         return f"{type(self).__name__}(backend={self.backend!r})"
 
 
+# backend name -> Verifier subclass, built as cls(config, tokenizer=...)
+VERIFIER_BACKENDS: Registry[type] = Registry("verifier backend", error=ConfigError)
+
+
+def register_verifier_backend(name: str):
+    """Class decorator: ``@register_verifier_backend("mine")`` makes ``worker.rollout.verifier.backend: mine`` build it."""
+    return VERIFIER_BACKENDS.register(name)
+
+
+def verifier_backend(name: str) -> type:
+    try:
+        return VERIFIER_BACKENDS.get(name)
+    except ConfigError as exc:
+        raise ConfigError(f"config key 'worker.rollout.verifier.backend': {exc}") from None
+
+
 def build_verifier(config: VerifierConfig, *, tokenizer=None) -> Verifier:
     """The verifier ``config`` describes (``backend``, with ``auto`` read through ``use_http``).
 
@@ -251,14 +266,13 @@ def build_verifier(config: VerifierConfig, *, tokenizer=None) -> Verifier:
         return HTTPVerifier(config, tokenizer=tokenizer)
     if backend == "local":
         return LocalVerifier(config, tokenizer=tokenizer)
-    if backend == "rule":
-        return RuleVerifier(config, tokenizer=tokenizer)
-    raise ConfigError(f"config key 'worker.rollout.verifier.backend': unknown backend {backend!r}")
+    return verifier_backend(backend)(config, tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------- http
 
 
+@register_verifier_backend("http")
 class HTTPVerifier(Verifier):
     """A verifier behind an OpenAI-compatible ``/chat/completions`` endpoint.
 
@@ -361,6 +375,7 @@ class HTTPVerifier(Verifier):
 # ---------------------------------------------------------------------------- local
 
 
+@register_verifier_backend("local")
 class LocalVerifier(Verifier):
     """A transformers checkpoint answering in-process.
 
@@ -406,7 +421,7 @@ class LocalVerifier(Verifier):
 
     def render(self, request: VerifierRequest) -> str:
         """The prompt text a request becomes through the checkpoint's chat template."""
-        from grouprl.models.prompts import render_prompt
+        from grouprl.models.inputs import render_prompt
 
         return render_prompt(self.processor, self.samples([request])[0])
 
@@ -426,7 +441,7 @@ def _load_tokenizer(path: str, *, like, trust_remote_code: bool):
     """The tokenizer (or processor, when ``like`` is one) at ``path``, set up for batched generation."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    from grouprl.models.prompts import tokenizer_of
+    from grouprl.models.inputs import tokenizer_of
 
     loader = AutoProcessor if hasattr(like, "tokenizer") else AutoTokenizer
     processor = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -435,115 +450,3 @@ def _load_tokenizer(path: str, *, like, trust_remote_code: bool):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # as load_model_and_processor sets it: prompts are left-padded
     return processor
-
-
-# ---------------------------------------------------------------------------- rule
-
-
-# A number as written in text: digits with thousands commas and decimals. The sign is left
-# out ("-3" where the problem says 3 is an operation on a given value, not a new one), and
-# so is "a/b", whose parts are checked one by one.
-_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\w])")
-# Enumeration markers are layout, not claims: "Step 2", "2." or "2)" at a line start, "(2)".
-_ENUMERATION = re.compile(r"(?:\bstep\s+\d+\b)|(?:^\s*\d+[.)](?=\s))|(?:\(\d+\))", re.IGNORECASE | re.MULTILINE)
-_SET_BRACES = re.compile(r"^\\?[{(\[]|\\?[})\]]$")
-
-
-def _numbers_in(text: str) -> set[Fraction]:
-    text = _ENUMERATION.sub(" ", text)
-    found = set()
-    for m in _NUMBER.finditer(text):
-        value = parse_number(m.group())
-        if value is not None:
-            found.add(value)
-    return found
-
-
-def _items(answer: str) -> list[str] | None:
-    """The items of a comma-separated answer (``1, 2, 3`` or ``\\{a, b\\}``), or None for a single item."""
-    s = answer.strip()
-    while _SET_BRACES.search(s) and len(s) > 1:
-        s = _SET_BRACES.sub("", s).strip()
-    if "," not in s or parse_number(s) is not None:  # "1,200" is one number
-        return None
-    return [normalize_answer(x) for x in s.split(",") if x.strip()]
-
-
-class RuleVerifier(Verifier):
-    """A deterministic verifier with the seed's inputs: problem text, reference, the policy's turns.
-
-    On the last turn:
-
-    - a final answer (:func:`has_final_answer`) equal to the reference's answer
-      (:func:`answers_match`): the stop token alone; with no reference (validation)
-      any final answer stops, since there is nothing to check it against;
-    - no final answer: a request to write it as ``<answer>\\boxed{...}</answer>``;
-    - a wrong one: what is wrong (a number "too high"/"too low", a list "k of your n
-      items are right") and one small cue, never the answer.
-
-    Every reply but STOP ends with a checkpoint question and, when scores are on,
-    ``[SCORE] hallucination_detect=0`` if the last turn states a number found neither
-    in the problem nor in the reference (enumerations like "Step 2" aside), else ``=1``.
-    The check is blunt by design: a value the student derived correctly also counts,
-    and numbers shown only in an image are unknown to it, as to the seed's verifier.
-    """
-
-    backend = "rule"
-
-    def _reply_many(self, requests: list[VerifierRequest]) -> list[VerifierReply]:
-        return [self._reply(self.respond(r)) for r in requests]
-
-    def respond(self, request: VerifierRequest) -> str:
-        """The raw reply text for one request."""
-        last = request.turns[-1] if request.turns else ""
-        predicted = final_answer(last)
-        gold = extract_answer(request.reference) if request.reference is not None else None
-        if predicted is not None and (gold is None or answers_match(gold, predicted)):
-            return self.config.stop_token
-        if predicted is None:
-            guidance = ("Your final answer is missing or not in the required format. Write it once, as "
-                        "<answer>\\boxed{...}</answer>, with exactly one \\boxed{} inside.")
-            question = "What is your final answer, in that format?"
-        else:
-            guidance, question = _correction(gold, predicted)
-        lines = [guidance, question]
-        if self.config.enable_hallucination_score:
-            lines.append(f"[SCORE] hallucination_detect={self.hallucination_score(request)}")
-        return "\n".join(lines)
-
-    @staticmethod
-    def hallucination_score(request: VerifierRequest) -> int:
-        """0 when the last turn states a number found neither in the problem nor in the reference, else 1."""
-        last = request.turns[-1] if request.turns else ""
-        known = _numbers_in(request.problem) | _numbers_in(request.reference or "")
-        return 0 if _numbers_in(last) - known else 1
-
-
-def _correction(gold: str, predicted: str) -> tuple[str, str]:
-    """What is wrong with a final answer and one cue, without giving the answer away."""
-    a, b = parse_number(gold), parse_number(predicted)
-    if a is not None and b is not None:
-        if b == -a:
-            return (f"Your answer {predicted} has the wrong sign.",
-                    "Which step flips the sign, and should it?")
-        direction = "too high" if b > a else "too low"
-        cue = "Re-check the last computation that produced it."
-        if a != 0 and b != 0 and _power_of_ten(b / a):
-            cue = "Check your units and the position of the decimal point."
-        return f"Your answer {predicted} is {direction}. {cue}", "What do you get when you redo that step?"
-    gold_items, predicted_items = _items(gold), _items(predicted)
-    if gold_items is not None and predicted_items is not None:
-        right = len(set(predicted_items) & set(gold_items))
-        cue = ("The answer has a different number of items than yours."
-               if len(set(predicted_items)) != len(set(gold_items)) else "Test each item against the conditions.")
-        return (f"{right} of your {len(predicted_items)} items are right. {cue}",
-                "Which of your items fails a condition of the problem?")
-    return ("Your final answer does not match the expected result.",
-            "Which condition of the problem does your answer not satisfy yet?")
-
-
-def _power_of_ten(ratio: Fraction) -> bool:
-    ratio = abs(ratio)
-    if ratio < 1:
-        ratio = 1 / ratio
-    return ratio.denominator == 1 and ratio > 1 and str(ratio.numerator).strip("0") == "1"

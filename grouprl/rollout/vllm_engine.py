@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from grouprl.data.sample import Sample
-from grouprl.models.prompts import encode_prompts, left_pad, pad_token_id, tokenizer_of, unwrap_model
+from grouprl.models.inputs import encode_prompts, left_pad, pad_token_id, tokenizer_of, unwrap_model
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import _eos_token_ids, _placeholder_token_ids

@@ -32,7 +32,7 @@ from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_named_parameters, full_state_dicts
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
-from grouprl.trainer.prompts import PromptStream
+from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
 RolloutTransform = Callable[[RolloutBatch], RolloutBatch]
@@ -50,7 +50,7 @@ def build_rewards(config: Config):
     if r.reward_server:
         import os
 
-        from grouprl.rewards.client import RewardServerClient
+        from grouprl.domains.radiology.server.client import RewardServerClient
 
         client = RewardServerClient(
             r.reward_server, components=list(r.reward_components), type=r.type, batch_size=r.server_batch_size,
@@ -212,7 +212,7 @@ class GRPOTrainer:
             norm_len=float(config.data.max_response_length))
 
         from grouprl.models.loading import check_image_tokens
-        from grouprl.models.prompts import end_of_turn_id
+        from grouprl.models.inputs import end_of_turn_id
         from grouprl.rollout.engine import engine_class
 
         # Generation runs on a copy of the weights when the policy's own cannot serve:
@@ -228,7 +228,7 @@ class GRPOTrainer:
         self.engine = engine_cls.from_config(rollout_model, self.processor, config=config, holds_weights=holds_weights)
         self._sync_rollout_weights()
         if roll.extractor or config.algorithm.force_gt_num > 0:
-            from grouprl.rollout.edits import EditTransform
+            from grouprl.domains.radiology.edits import EditTransform
 
             # EditGRPO: edited copies join their group after generation and before rewards,
             # so their old log-probs come from the actor like any other row's
@@ -699,7 +699,7 @@ class GRPOTrainer:
 
     def completion_records(self, batch: RolloutBatch) -> list[dict]:
         """CheXPO's completions log: each response's tokens with the sampler's per-token log-probs."""
-        from grouprl.models.prompts import tokenizer_of
+        from grouprl.models.inputs import tokenizer_of
 
         tokenizer = tokenizer_of(self.processor)
         records = []

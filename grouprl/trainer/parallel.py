@@ -101,7 +101,7 @@ def full_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     (a collective: every process must consume the whole iterator), so at most one
     full parameter at a time is held beside the shards.
     """
-    from grouprl.models.prompts import unwrap_model
+    from grouprl.models.inputs import unwrap_model
 
     for name, param in unwrap_model(model).named_parameters():
         full = getattr(param, "full_tensor", None)

@@ -84,7 +84,7 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
-    from grouprl.models.prompts import unwrap_model
+    from grouprl.models.inputs import unwrap_model
     from grouprl.trainer.parallel import has_trainable_vision_tower, shard_fsdp
 
     precision = run_precision(actor.model, actor.optim.strategy)

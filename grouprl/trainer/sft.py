@@ -25,7 +25,7 @@ from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
 def answer_batch(processor, samples: list[Sample], *, max_prompt_length: int | None, max_response_length: int) -> RolloutBatch:
     """A RolloutBatch whose responses are the samples' reference answers followed by the end-of-turn token."""
-    from grouprl.models.prompts import encode_prompts, end_of_turn_id, tokenizer_of
+    from grouprl.models.inputs import encode_prompts, end_of_turn_id, tokenizer_of
 
     tokenizer = tokenizer_of(processor)
     prompt_ids, prompt_mask, model_inputs = encode_prompts(processor, samples, max_prompt_length=max_prompt_length)

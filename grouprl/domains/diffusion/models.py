@@ -1,0 +1,292 @@
+"""Flow-matching image models loaded from a local directory, behind one small interface.
+
+Two layouts load:
+
+* a ``StableDiffusion3Pipeline.save_pretrained`` directory (``model_index.json``):
+  loaded through ``StableDiffusion3Pipeline.from_pretrained``, and prompts are
+  encoded by the pipeline's own ``encode_prompt`` (two CLIPs, optional T5), so the
+  embeddings are exactly those the pipeline would use;
+* grouprl's own layout (``flow_model.json``): a transformer, a scheduler, one CLIP
+  text encoder and its tokenizer, and optionally a VAE (``null`` for a model that
+  works in pixel space). ``grouprl.domains.diffusion.tiny.build_tiny_pixel_flow`` writes
+  one; the entries name the class of each component's folder, as diffusers'
+  ``model_index.json`` does.
+
+Everything downstream (pretraining, the RL sampler, the trainer) sees a ``FlowModel``:
+the transformer predicts the velocity v = eps - x0 of the rectified flow
+x_t = (1 - t) x0 + t eps at timestep 1000 t, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+MODEL_INDEX = "model_index.json"
+FLOW_INDEX = "flow_model.json"
+FLOW_FORMAT = "grouprl-flow"
+
+# Components a StableDiffusion3Pipeline directory must have; T5 (text_encoder_3 and
+# tokenizer_3) may be null, as SD3 runs without it (its tokens are then zeros).
+_SD3_REQUIRED = ("transformer", "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+_FLOW_REQUIRED = ("transformer", "scheduler", "text_encoder", "tokenizer")
+_FLOW_COMPONENTS = _FLOW_REQUIRED + ("vae",)
+# Libraries a flow_model.json entry may name: the file names classes to import.
+_LIBRARIES = ("diffusers", "transformers")
+
+# Attention projections of SD3's joint blocks: image-stream q/k/v/out and the text
+# stream's added q/k/v/out (the last block has no to_add_out, its text output being
+# unused). SD3.5's dual-attention blocks name their second attention's projections
+# to_q/to_k/to_v/to_out.0 as well, so these names cover them too.
+_ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+@dataclass
+class FlowModel:
+    """A flow-matching model: transformer, scheduler, optional VAE and frozen text encoder(s).
+
+    ``pipeline`` is set when the model came from a StableDiffusion3Pipeline directory;
+    its ``encode_prompt`` then encodes prompts, with T5 sequences of
+    ``max_sequence_length`` tokens. ``text_encoders``/``tokenizers`` list the text
+    side either way (in the pipeline's order), frozen and in eval mode.
+    """
+
+    transformer: Any
+    scheduler: Any
+    vae: Any | None
+    text_encoders: list[torch.nn.Module]
+    tokenizers: list[Any]
+    path: Path
+    pipeline: Any | None = None
+    max_sequence_length: int = 256
+
+    # ------------------------------------------------------------ geometry
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along each side (1 in pixel space)."""
+        if self.vae is None:
+            return 1
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def default_size(self) -> int:
+        """The image side (pixels) the transformer was configured for."""
+        return int(self.transformer.config.sample_size) * self.vae_scale_factor
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(channels, h, w) of the latents of a ``height`` x ``width`` image."""
+        multiple = self.vae_scale_factor * int(self.transformer.config.patch_size)
+        if height <= 0 or width <= 0 or height % multiple or width % multiple:
+            raise ValueError(f"FlowModel({self.path}): height and width must be positive multiples of "
+                             f"{multiple} (VAE factor x patch size), got {height} x {width}")
+        factor = self.vae_scale_factor
+        return int(self.transformer.config.in_channels), height // factor, width // factor
+
+    # ------------------------------------------------------------ text
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds [B, L, joint_attention_dim], pooled_prompt_embeds [B, pooled_projection_dim]).
+
+        The unconditional input of classifier-free guidance is ``encode_prompts([""] * n)``.
+        """
+        prompts = list(prompts)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("FlowModel.encode_prompts: prompts must be a non-empty list of strings")
+        if self.pipeline is not None:
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+                do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+            )
+        else:
+            embeds, pooled = self._encode_clip(prompts)
+        return embeds.to(self.dtype), pooled.to(self.dtype)
+
+    def _encode_clip(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        # One CLIP: its last hidden states are the tokens, its projected EOS state the
+        # pooled vector; like SD3 the tokens are zero-padded up to the transformer's width.
+        tokenizer, encoder = self.tokenizers[0], self.text_encoders[0]
+        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                        truncation=True, return_tensors="pt").input_ids.to(self.device)
+        out = encoder(ids)
+        embeds, pooled = out.last_hidden_state, out.text_embeds
+        width = int(self.transformer.config.joint_attention_dim)
+        if embeds.shape[-1] > width:
+            raise ValueError(f"FlowModel({self.path}): the text encoder's width {embeds.shape[-1]} exceeds the "
+                             f"transformer's joint_attention_dim {width}")
+        return torch.nn.functional.pad(embeds, (0, width - embeds.shape[-1])), pooled
+
+    # ------------------------------------------------------------ images
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> list[Image.Image]:
+        """RGB images of a batch of latents (through the VAE, or read as pixels in [-1, 1])."""
+        x = latents.to(self.device)
+        if self.vae is not None:
+            x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+            x = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
+        pixels = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return [Image.fromarray(a, mode="RGB") for a in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence[Image.Image] | torch.Tensor) -> torch.Tensor:
+        """Latents of images (PIL images of one size, or a [B, 3, H, W] tensor in [-1, 1]).
+
+        Through the VAE this takes the mean of its latent distribution (deterministic),
+        scaled and shifted as the pipeline expects; in pixel space it is the identity.
+        """
+        if isinstance(images, torch.Tensor):
+            x = images
+        else:
+            arrays = [np.asarray(image.convert("RGB"), dtype=np.float32) for image in images]
+            if not arrays or len({a.shape for a in arrays}) != 1:
+                raise ValueError("FlowModel.encode_images: images must be a non-empty list of one size, got "
+                                 f"sizes {sorted({a.shape[:2] for a in arrays})}")
+            x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 127.5 - 1.0
+        x = x.to(self.device, torch.float32)
+        if self.vae is None:
+            return x.to(self.dtype)
+        latents = self.vae.encode(x.to(self.vae.dtype)).latent_dist.mode()
+        latents = (latents - (self.vae.config.shift_factor or 0.0)) * self.vae.config.scaling_factor
+        return latents.to(self.dtype)
+
+
+def lora_target_modules(transformer: torch.nn.Module) -> list[str]:
+    """The attention projection names (peft ``target_modules`` suffixes) present in ``transformer``.
+
+    Only names that end some ``nn.Linear`` in the module tree are returned, so a
+    one-block model without ``to_add_out`` gets the seven it has. ValueError when
+    there are none (not an SD3-style transformer).
+    """
+    linear = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    found = [t for t in _ATTENTION_PROJECTIONS if any(n == t or n.endswith("." + t) for n in linear)]
+    if not found:
+        raise ValueError(f"lora_target_modules: {type(transformer).__name__} has none of the attention "
+                         f"projections {_ATTENTION_PROJECTIONS}")
+    return found
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    max_sequence_length: int = 256) -> FlowModel:
+    """Load a flow model from a local directory (see the module docstring for the two layouts).
+
+    Text encoders and the VAE are frozen (``requires_grad`` off, eval mode); the
+    transformer is returned as loaded. ``max_sequence_length`` is the T5 length of
+    SD3 prompt embeddings (the pipeline's default 256; zeros when T5 is absent).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_flow_model: {path} is not a directory")
+    if (path / FLOW_INDEX).is_file():
+        model = _load_flow_layout(path, dtype)
+    elif (path / MODEL_INDEX).is_file():
+        model = _load_sd3(path, dtype, max_sequence_length)
+    else:
+        raise FileNotFoundError(f"load_flow_model: {path} has neither {MODEL_INDEX} (a StableDiffusion3Pipeline "
+                                f"directory) nor {FLOW_INDEX} (grouprl's layout)")
+    for module in [*model.text_encoders, model.vae]:
+        if module is not None:
+            module.requires_grad_(False).eval()
+    model.transformer.to(device)
+    for module in [*model.text_encoders, model.vae]:
+        if module is not None:
+            module.to(device)
+    return model
+
+
+def _read_index(path: Path, name: str) -> dict:
+    try:
+        return json.loads((path / name).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"load_flow_model: {path / name} is not valid JSON ({error})") from None
+
+
+def _present(entry: Any) -> bool:
+    # diffusers writes an absent component as [null, null]
+    return entry is not None and not (isinstance(entry, list) and all(e is None for e in entry))
+
+
+def _check_components(path: Path, index: dict, required: Sequence[str], index_name: str) -> None:
+    for name in required:
+        if not _present(index.get(name)):
+            raise FileNotFoundError(f"load_flow_model: {path / index_name} lists no {name!r} component, "
+                                    f"which is required")
+    for name, entry in index.items():
+        if not name.startswith("_") and _present(entry) and not (path / name).is_dir():
+            raise FileNotFoundError(f"load_flow_model: {path} is missing the {name!r} component "
+                                    f"(no folder {path / name}, which {index_name} lists)")
+
+
+def _load_sd3(path: Path, dtype: torch.dtype, max_sequence_length: int) -> FlowModel:
+    from diffusers import StableDiffusion3Pipeline
+
+    index = _read_index(path, MODEL_INDEX)
+    if index.get("_class_name") != "StableDiffusion3Pipeline":
+        raise ValueError(f"load_flow_model: {path / MODEL_INDEX} describes a {index.get('_class_name')!r}; "
+                         "only StableDiffusion3Pipeline directories (and grouprl's own layout) are supported")
+    _check_components(path, index, _SD3_REQUIRED, MODEL_INDEX)
+    # diffusers loads a component saved as null only when told it is None (as SD3 is
+    # loaded without T5: ``text_encoder_3=None, tokenizer_3=None``).
+    absent = {name: None for name, entry in index.items() if not name.startswith("_") and not _present(entry)}
+    pipeline = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **absent)
+    pipeline.set_progress_bar_config(disable=True)
+    encoders = [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3]
+    tokenizers = [pipeline.tokenizer, pipeline.tokenizer_2, pipeline.tokenizer_3]
+    return FlowModel(
+        transformer=pipeline.transformer, scheduler=pipeline.scheduler, vae=pipeline.vae,
+        text_encoders=[e for e in encoders if e is not None], tokenizers=[t for t in tokenizers if t is not None],
+        path=path, pipeline=pipeline, max_sequence_length=max_sequence_length,
+    )
+
+
+def _component_class(path: Path, name: str, entry: Any) -> type:
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in _LIBRARIES and isinstance(entry[1], str)):
+        raise ValueError(f"load_flow_model: {path / FLOW_INDEX} entry {name!r} must be [library, class] with "
+                         f"library one of {_LIBRARIES}, got {entry!r}")
+    cls = getattr(importlib.import_module(entry[0]), entry[1], None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"load_flow_model: {path / FLOW_INDEX} names {entry[0]}.{entry[1]} for {name!r}, "
+                         "which is not a loadable class")
+    return cls
+
+
+def _load_flow_layout(path: Path, dtype: torch.dtype) -> FlowModel:
+    index = _read_index(path, FLOW_INDEX)
+    if index.get("_format") != FLOW_FORMAT:
+        raise ValueError(f"load_flow_model: {path / FLOW_INDEX} has _format {index.get('_format')!r}, "
+                         f"expected {FLOW_FORMAT!r}")
+    _check_components(path, index, _FLOW_REQUIRED, FLOW_INDEX)
+    parts: dict[str, Any] = {}
+    for name in _FLOW_COMPONENTS:
+        entry = index.get(name)
+        if not _present(entry):
+            parts[name] = None
+            continue
+        cls = _component_class(path, name, entry)
+        folder = path / name
+        # Schedulers and tokenizers have no weights to cast.
+        parts[name] = cls.from_pretrained(folder) if name in ("scheduler", "tokenizer") else \
+            cls.from_pretrained(folder, dtype=dtype)
+    return FlowModel(
+        transformer=parts["transformer"], scheduler=parts["scheduler"], vae=parts["vae"],
+        text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]], path=path,
+    )

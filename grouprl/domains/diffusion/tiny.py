@@ -1,0 +1,260 @@
+"""Tiny flow-matching models and CLIP tokenizers built offline, for tests and the CPU demo.
+
+Both builders save what they build and ``grouprl.domains.diffusion.models.load_flow_model``
+loads it back, so tests exercise the loading path of a real checkpoint:
+
+* ``build_tiny_sd3_pipeline``: a complete ``StableDiffusion3Pipeline`` (two CLIPs, no
+  T5, a small VAE) written by ``save_pretrained``;
+* ``build_tiny_pixel_flow``: the demo model, an SD3 transformer that works directly on
+  RGB pixels, with one small CLIP text encoder, in grouprl's ``flow_model.json`` layout.
+
+The tokenizers are CLIP byte-level BPEs trained here on the shapes task's prompts:
+diffusers' own tiny test fixtures download theirs from the hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+from grouprl.domains.diffusion import shapes
+from grouprl.domains.diffusion.models import FLOW_FORMAT, FLOW_INDEX
+
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+_END_OF_WORD = "</w>"
+# CLIPTokenizer's own normalisation and word split; training with the same ones makes
+# the learnt merges those the loaded tokenizer applies.
+_CLIP_SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 byte-level symbols, in byte order (the printable-unicode stand-ins GPT-2 and CLIP use)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + shifted)
+            shifted += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_clip_tokenizer(corpus: Sequence[str], *, model_max_length: int = 77):
+    """A ``CLIPTokenizer`` whose merges make every word of ``corpus`` one token.
+
+    The vocabulary is laid out as CLIP's: the 256 byte symbols, the same with the
+    end-of-word mark, the merges in order, then ``<|startoftext|>`` and
+    ``<|endoftext|>`` (also the padding token). Any text encodes: words the corpus
+    never had fall back to byte symbols.
+    """
+    from transformers import CLIPTokenizer
+
+    corpus = list(corpus)
+    if not corpus or not all(isinstance(text, str) for text in corpus):
+        raise ValueError("build_clip_tokenizer: corpus must be a non-empty list of strings")
+    backend = Tokenizer(models.BPE(end_of_word_suffix=_END_OF_WORD))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    # Room for every merge the corpus offers: training stops when no pair is left.
+    trainer = trainers.BpeTrainer(vocab_size=1_000_000, min_frequency=1, end_of_word_suffix=_END_OF_WORD,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(corpus, trainer=trainer)
+    merges = [tuple(pair) for pair in json.loads(backend.to_str())["model"]["merges"]]
+
+    symbols = _byte_symbols()
+    vocab: dict[str, int] = {}
+    for token in [*symbols, *(s + _END_OF_WORD for s in symbols), *(a + b for a, b in merges), BOS_TOKEN, EOS_TOKEN]:
+        vocab.setdefault(token, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def _seeded(seed: int, build: Callable):
+    # Fork the RNG so building a model does not move the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def _clip_text_encoder(tokenizer, *, seed: int, hidden_size: int, projection_dim: int, layers: int, heads: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=projection_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=tokenizer.model_max_length,
+        # The pooled vector is read at the first EOS: CLIP finds it by this id.
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _seeded(seed, lambda: CLIPTextModelWithProjection(config).eval())
+
+
+def build_tiny_sd3_pipeline(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    sample_size: int = 32,
+    corpus: Sequence[str] | None = None,
+    num_layers: int = 1,
+    num_attention_heads: int = 4,
+    attention_head_dim: int = 8,
+    text_hidden_size: int = 32,
+    vae_blocks: int = 1,
+    shift: float = 3.0,
+) -> Path:
+    """Build a randomly initialised ``StableDiffusion3Pipeline`` and ``save_pretrained`` it to ``out_dir``.
+
+    ``sample_size`` is the latent side; images are ``sample_size * 2 ** (vae_blocks - 1)``
+    pixels (32 by default, one VAE block not downsampling). The two CLIPs are two
+    layers of ``text_hidden_size`` (SD3 reads their second-last hidden states); their
+    tokens concatenate to the transformer's ``joint_attention_dim`` and their pooled
+    vectors to its ``pooled_projection_dim``. There is no T5 (``text_encoder_3`` and
+    ``tokenizer_3`` are None), as SD3 allows; diffusers then loads the directory with
+    ``StableDiffusion3Pipeline.from_pretrained(out_dir, text_encoder_3=None, tokenizer_3=None)``,
+    as it loads SD3 without T5. ``shift`` is SD3's scheduler shift.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    out_dir = Path(out_dir)
+    if vae_blocks < 1:
+        raise ValueError(f"build_tiny_sd3_pipeline: vae_blocks must be >= 1, got {vae_blocks}")
+    corpus = list(corpus) if corpus is not None else shapes.corpus()
+    latent_channels = 4
+    transformer = _seeded(seed, lambda: SD3Transformer2DModel(
+        sample_size=sample_size,
+        patch_size=2,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        num_layers=num_layers,
+        attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads,
+        joint_attention_dim=2 * text_hidden_size,
+        caption_projection_dim=num_attention_heads * attention_head_dim,
+        pooled_projection_dim=2 * text_hidden_size,
+        pos_embed_max_size=sample_size // 2,
+    ))
+    vae = _seeded(seed + 1, lambda: AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        block_out_channels=(4,) * vae_blocks,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=1,
+        sample_size=sample_size * 2 ** (vae_blocks - 1),
+        # SD3's VAE factors, so decode/encode exercise the shift as well as the scale.
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ))
+    encoders, tokenizers = [], []
+    for i in range(2):
+        tokenizer = build_clip_tokenizer(corpus)
+        tokenizers.append(tokenizer)
+        encoders.append(_clip_text_encoder(tokenizer, seed=seed + 2 + i, hidden_size=text_hidden_size,
+                                           projection_dim=text_hidden_size, layers=2, heads=2))
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        vae=vae,
+        text_encoder=encoders[0],
+        tokenizer=tokenizers[0],
+        text_encoder_2=encoders[1],
+        tokenizer_2=tokenizers[1],
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_tiny_pixel_flow(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 16,
+    corpus: Sequence[str] | None = None,
+    num_layers: int = 4,
+    num_attention_heads: int = 4,
+    attention_head_dim: int = 16,
+    embed_dim: int = 64,
+    text_layers: int = 1,
+    max_prompt_tokens: int = 12,
+    shift: float = 1.0,
+) -> Path:
+    """Build the demo's pixel-space flow model and save it to ``out_dir`` (``flow_model.json`` layout).
+
+    An ``SD3Transformer2DModel`` over RGB pixels (3 channels in and out, patches of
+    2 x 2: 64 image tokens at 16 x 16; 0.59M parameters with the defaults), a
+    ``text_layers``-layer CLIP text encoder of width ``embed_dim`` whose tokens are the
+    transformer's context (``joint_attention_dim``) and whose projected EOS state is
+    its pooled input, prompts cut at ``max_prompt_tokens`` tokens (the task's longest
+    is 8), and a flow-match Euler scheduler with ``shift`` 1: the shift moves steps
+    toward high noise, which a 64-token image does not need.
+
+    The text encoder is random and stays frozen: it only has to keep prompts apart,
+    which a random transformer does; the flow transformer learns to read it.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    out_dir = Path(out_dir)
+    patch = 2
+    if image_size % patch:
+        raise ValueError(f"build_tiny_pixel_flow: image_size must be even, got {image_size}")
+    corpus = list(corpus) if corpus is not None else shapes.corpus()
+    tokenizer = build_clip_tokenizer(corpus, model_max_length=max_prompt_tokens)
+    transformer = _seeded(seed, lambda: SD3Transformer2DModel(
+        sample_size=image_size,
+        patch_size=patch,
+        in_channels=3,
+        out_channels=3,
+        num_layers=num_layers,
+        attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads,
+        joint_attention_dim=embed_dim,
+        caption_projection_dim=num_attention_heads * attention_head_dim,
+        pooled_projection_dim=embed_dim,
+        pos_embed_max_size=image_size // patch,
+    ))
+    encoder = _clip_text_encoder(tokenizer, seed=seed + 1, hidden_size=embed_dim, projection_dim=embed_dim,
+                                 layers=text_layers, heads=2)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
+    scheduler.save_pretrained(out_dir / "scheduler")
+    encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True)
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    index = {
+        "_format": FLOW_FORMAT,
+        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "vae": None,
+    }
+    (out_dir / FLOW_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return out_dir

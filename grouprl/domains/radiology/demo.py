@@ -1,0 +1,413 @@
+"""`grouprl demo`: the whole pipeline on a laptop CPU with nothing downloaded.
+
+1. Synthetic chest X-ray studies (procedural images with visible findings and
+   reference reports in varied radiology phrasing) are written to disk in LLaVA
+   format and read back through the normal data loader.
+2. A tiny Qwen2.5-VL is built from a config, with a tokenizer trained on the
+   generator's vocabulary, and saved like any Hugging Face model.
+3. SFT warm start on the reference reports (`grouprl sft`).
+4. GRPO from the SFT model with a finding-level reward (`grouprl train`).
+   The reward is EditGRPO's clinical composite (RadGraph-style F1 + CheXpert-label
+   micro F1 + RaTEScore-style score, each rule-based and offline).
+5. Both models are evaluated on held-out studies; a before/after table of the
+   reward, the clinical metrics and the finding-level F1, a reward-curve PNG
+   and summary.json are written to the run directory.
+
+`grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
+data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
+Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
+(paired by seed, grouprl.domains.radiology.seed_stats).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from grouprl.config import config_from_dict, merge_values, write_text_atomic
+from grouprl.trainer.curves import plot_reward_curves
+
+# Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
+FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
+QUICK = dict(train=96, val=16, sft_epochs=1, grpo_steps=3, n=4, prompts_per_step=8)
+REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
+# build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
+DEMO_MODEL = dict(vocab_size=1024)
+# the held-out table's columns: (title, key of evaluate()'s result)
+TABLE_COLUMNS = [("reward", "mean_reward"), ("RadGraph", "mean_radgraphf1"), ("CheXpert", "mean_cxb14micro"),
+                 ("RaTE", "mean_ratescore"), ("F1 micro", "finding_f1_micro"), ("F1 macro", "finding_f1_macro"),
+                 ("words", "mean_words")]
+
+
+def _model_config(model_path: str) -> dict:
+    return {"model_path": model_path, "dtype": "float32"}
+
+
+def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tuple[dict, dict]:
+    """The SFT and GRPO configs the demo runs, as plain dicts (what a user would put in YAML)."""
+    common_data = {"train_files": [str(data["train"])], "val_files": [str(data["val"])], "format": "llava",
+                   "max_prompt_length": 256, "max_response_length": 96, "seed": seed}
+    trainer = {"logger": ["console", "jsonl", "tensorboard"], "seed": seed, "device": "cpu"}
+    sft = {
+        "data": common_data,
+        "worker": {"actor": {"model": _model_config(str(out / "init_model")),
+                             "optim": {"lr": 2e-3, "weight_decay": 0.0, "lr_scheduler_type": "cosine",
+                                       "lr_warmup_ratio": 0.05}}},
+        "sft": {"epochs": sizes["sft_epochs"], "batch_size": 16, "micro_batch_size": 16},
+        "trainer": {**trainer, "output_dir": str(out / "sft"), "experiment_name": "demo-sft"},
+    }
+    grpo = {
+        "data": {**common_data, "rollout_batch_size": sizes["prompts_per_step"], "val_batch_size": 64},
+        "algorithm": {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "kl_coef": 0.0},
+        "worker": {
+            "actor": {"model": _model_config(str(out / "sft_model")),
+                      "optim": {"lr": 1e-4, "weight_decay": 0.0},
+                      "global_batch_size": sizes["prompts_per_step"],
+                      "micro_batch_size_per_device_for_update": 32,
+                      "micro_batch_size_per_device_for_experience": 64,
+                      "clip_ratio_low": 0.2, "clip_ratio_high": 0.3},
+            # 0.7 keeps samples close to what greedy decoding (the evaluation) produces,
+            # so what GRPO reinforces shows up in the held-out table
+            "rollout": {"n": sizes["n"], "temperature": 0.7},
+            "reward": {"functions": [{"name": REWARD, "weight": 1.0}]},
+        },
+        "trainer": {**trainer, "output_dir": str(out / "grpo"), "experiment_name": "demo-grpo",
+                    "max_steps": sizes["grpo_steps"], "save_freq": -1, "save_limit": 1, "val_freq": -1},
+    }
+    return sft, grpo
+
+
+@torch.no_grad()
+def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size: int = 48) -> dict:
+    """Greedy reports for held-out studies: the training reward, clinical metrics and finding-level F1."""
+    from grouprl.domains.radiology.findings import corpus_finding_scores
+    from grouprl.domains.radiology.rewards import chexpert_f1_reports, radgraph_corpus_f1, score_components
+    from grouprl.domains.radiology.rewards.components import get_component
+    from grouprl.domains.radiology.rewards.rewards import EDITGRPO_COMPONENTS
+    from grouprl.rollout.engine import SamplingParams
+    from grouprl.rollout.hf_engine import HFGenerationEngine
+
+    engine = HFGenerationEngine(model, processor)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
+    reports = []
+    for start in range(0, len(samples), batch_size):
+        reports.extend(engine.generate(samples[start:start + batch_size], params).responses)
+    refs = [s.answer for s in samples]
+    components = score_components(reports, refs, EDITGRPO_COMPONENTS)
+    rewards = [sum(values) for values in zip(*components.values())]
+    findings = corpus_finding_scores(reports, refs)
+    chexpert = chexpert_f1_reports(reports, refs)
+    radgraph = radgraph_corpus_f1(reports, refs)
+    return {
+        "mean_reward": sum(rewards) / len(rewards),
+        **{f"mean_{name}": sum(v) / len(v) for name, v in components.items()},
+        "chexpert_micro_f1_14": chexpert["micro_f1_14"],
+        "chexpert_macro_f1_14": chexpert["macro_f1_14"],
+        "radgraph_f1_partial": radgraph["partial"],
+        "finding_f1_micro": findings["micro_f1"],
+        "finding_f1_macro": findings["macro_f1"],
+        "finding_f1_per_sample": findings["sample_f1"],
+        "finding_accuracy": findings["accuracy"],
+        "backends": {name: get_component(name).backend for name in EDITGRPO_COMPONENTS}
+        | {"findings": findings["backend"], "chexpert_f1": chexpert["backend"]},
+        "mean_words": sum(len(r.split()) for r in reports) / len(reports),
+        "examples": [{"reference": r, "generated": g} for r, g in list(zip(refs, reports))[:3]],
+    }
+
+
+
+
+_DR_GRPO = {"algorithm": {"norm_adv_by_std_in_grpo": False, "loss_agg_mode": "seq-mean-token-sum-norm"}}
+# `grouprl demo --compare`: the seeds' comparison (EditGRPO's table), same SFT start, seed and budget
+VARIANTS = {
+    "grpo": ("SFT+GRPO", {}),
+    "drgrpo": ("SFT+Dr.GRPO", _DR_GRPO),
+    "editgrpo": ("SFT+EditGRPO", merge_values(_DR_GRPO, {"worker": {"rollout": {
+        "extractor": True, "extractor_num_para": -1, "extractor_num_ops_per_para": 1,
+        "extractor_similarity_threshold": 0.6}}})),
+}
+
+
+
+
+def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
+    """The demo; with ``compare`` it trains GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from grouprl.data import load_samples
+    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
+    from grouprl.models.loading import load_model_and_processor
+    from grouprl.models.tiny import build_tiny_vlm
+    from grouprl.trainer.grpo import GRPOTrainer
+    from grouprl.trainer.sft import run_sft
+
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    t_start = time.perf_counter()
+    variants = list(VARIANTS) if compare else ["grpo"]
+    steps = 2 + len(variants)
+
+    console.rule("[bold]grouprl demo: synthetic chest X-ray reports")
+    data = {
+        "train": write_dataset(out / "data" / "train", sizes["train"], seed=seed, format="llava"),
+        "val": write_dataset(out / "data" / "val", sizes["val"], seed=seed + 10_000, format="llava"),
+    }
+    build_tiny_vlm(out / "init_model", corpus(), seed=seed, **DEMO_MODEL)
+    console.print(f"data and tiny Qwen2.5-VL written under {out}")
+
+    sft_cfg, grpo_cfg = demo_configs(out, data, sizes, seed)
+    console.rule(f"[bold]1/{steps} SFT warm start")
+    run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
+
+    val = load_samples([str(data["val"])], format="llava")
+    samples = [val[i] for i in range(len(val))]
+    sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
+    results = {"SFT": evaluate(sft_model, processor, samples)}
+    curves = {}
+    for i, key in enumerate(variants):
+        label, overrides = VARIANTS[key]
+        console.rule(f"[bold]{i + 2}/{steps} {label}")
+        cfg = merge_values(grpo_cfg, overrides)
+        cfg["trainer"] = {**cfg["trainer"], "output_dir": str(out / key), "experiment_name": f"demo-{key}"}
+        trainer = GRPOTrainer(config_from_dict(cfg))
+        trainer.train()
+        results[label] = evaluate(trainer.policy, trainer.processor, samples)
+        curves[label] = out / key / "metrics.jsonl"
+
+    console.rule(f"[bold]{steps}/{steps} held-out evaluation")
+    table = Table(title=f"held-out synthetic studies (n={len(samples)})",
+                  caption="reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
+                          "F1 = finding-level F1 against the generator's labels")
+    table.add_column("model")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
+    for name, r in results.items():
+        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
+    console.print(table)
+
+    png = out / ("compare_rewards.png" if compare else "reward_curve.png")
+    plot_reward_curves(curves, png, ylabel=f"mean training reward\n({REWARD})",
+                       title="grouprl demo: GRPO on synthetic chest X-rays")
+    before, after = results["SFT"], results["SFT+GRPO"]
+    summary = {
+        "reward": REWARD,
+        "held_out_studies": len(samples),
+        "sizes": sizes,
+        "model": DEMO_MODEL,
+        "seed": seed,
+        "models": results,
+        "sft": before,
+        "sft_grpo": after,
+        "reward_gain": after["mean_reward"] - before["mean_reward"],
+        "finding_f1_micro_gain": after["finding_f1_micro"] - before["finding_f1_micro"],
+        "grpo_improved_finding_f1": after["finding_f1_micro"] > before["finding_f1_micro"],
+        "wall_seconds": time.perf_counter() - t_start,
+        "reward_curve": str(png),
+    }
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    console.print(f"reward curve: {png.resolve()}")
+    console.print(f"summary: {(out / 'summary.json').resolve()}")
+    return summary
+
+
+# ---------------------------------------------------------------------------- `grouprl demo --compare --seeds K`
+#
+# The comparison repeated over seeds seed, seed+1, ..., seed+K-1. Each seed is a whole
+# `run_demo(compare=True)` in <out>/seed_<s>/ (its own data, tiny model, SFT warm start and
+# RL runs), so the spread over seeds includes all of them. The models of one seed share
+# data, SFT start and prompts, so the ordering is tested on per-seed differences.
+
+# the paper's ordering (EditGRPO's table), best first
+ORDER = [VARIANTS["editgrpo"][0], VARIANTS["drgrpo"][0], VARIANTS["grpo"][0]]
+COMPARE_MODELS = ["SFT", *(label for label, _ in VARIANTS.values())]
+# longer reports are not better reports: the word count gets an interval but no ordering
+ORDERED_METRICS = [key for _, key in TABLE_COLUMNS if key != "mean_words"]
+# what run_demo writes into a run directory; anything else there is not ours to delete
+_SEED_DIR_ENTRIES = {"data", "init_model", "sft", "sft_model", *VARIANTS, "compare_rewards.png", "summary.json"}
+
+
+def seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
+    """What ``seed_dir`` holds for this seed: "new" (nothing), "complete" (a finished compare run
+    of this seed, sizes and model: its summary.json, written last and atomically) or "incomplete"
+    (only files run_demo writes, but no summary.json: an interrupted run). Anything else, such as
+    another run's results or foreign files, is a ValueError, so nothing is mixed or deleted."""
+    if not seed_dir.exists():
+        return "new"
+    if not seed_dir.is_dir():
+        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
+    summary_file = seed_dir / "summary.json"
+    if summary_file.exists():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
+        found = {"seed": summary.get("seed"), "sizes": summary.get("sizes"), "model": summary.get("model"),
+                 "models": list(summary.get("models", {}))}
+        wanted = {"seed": seed, "sizes": sizes, "model": DEMO_MODEL, "models": COMPARE_MODELS}
+        if found != wanted:
+            differ = {k: found[k] for k in wanted if found[k] != wanted[k]}
+            raise ValueError(f"{seed_dir} holds another run's results ({differ}; this run needs {wanted}); "
+                             "choose another --out, or remove that directory")
+        return "complete"
+    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in _SEED_DIR_ENTRIES
+                     and not p.name.startswith("."))  # dot files: temporaries of atomic writes
+    if foreign:
+        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
+                         "choose another --out")
+    return "incomplete"
+
+
+def check_seed_dirs(out: str | Path, *, seeds: int, seed: int = 0, quick: bool = False) -> dict[int, str]:
+    """`seed_status` of every seed's directory, checked before anything runs; K < 1 is a ValueError."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be a whole number of seeds, at least 1; got {seeds!r}")
+    sizes = QUICK if quick else FULL
+    return {s: seed_status(Path(out) / f"seed_{s}", s, sizes) for s in range(seed, seed + seeds)}
+
+
+def _min_s(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s"
+
+
+def _fmt(iv: dict, digits: int) -> str:
+    if iv["low"] is None:
+        return f"{iv['mean']:.{digits}f}"
+    return f"{iv['mean']:.{digits}f} ± {iv['half_width']:.{digits}f}"
+
+
+def _fmt_diff(iv: dict) -> str:
+    if iv["low"] is None:
+        return f"{iv['mean']:+.3f}"
+    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+
+
+def plot_seed_intervals(stats: dict, png: Path) -> None:
+    """One panel per metric: each model's mean over seeds (bar), its 95% t-interval (error bar,
+    when there are two seeds or more) and the seeds' own values (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(stats["models"])
+    short = [m.removeprefix("SFT+") for m in models]
+    fig, axes = plt.subplots(2, 4, figsize=(12, 5.6))
+    for ax, (title, key) in zip(axes.flat, TABLE_COLUMNS):
+        for i, m in enumerate(models):
+            iv = stats["models"][m][key]
+            yerr = None if iv["half_width"] is None else [[iv["half_width"]], [iv["half_width"]]]
+            ax.bar(i, iv["mean"], color=f"C{i}", alpha=0.6, yerr=yerr, capsize=4)
+            vals = iv["values"]
+            offsets = [(j - (len(vals) - 1) / 2) * 0.08 for j in range(len(vals))]
+            ax.scatter([i + o for o in offsets], vals, color="black", s=8, zorder=3)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(models)), short, rotation=30, fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    axes.flat[-1].axis("off")
+    k = stats["k"]
+    what = f"mean over {k} seeds, bars: 95% t-interval, dots: seeds" if k > 1 else "one seed: no interval"
+    fig.suptitle(f"grouprl demo --compare, held-out synthetic studies ({what})", fontsize=10)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png)
+
+
+def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed: int = 0,
+                      quick: bool = False) -> dict:
+    """`run_demo(compare=True)` for seeds seed .. seed+seeds-1 in <out>/seed_<s>/ (a finished seed's
+    results are reused), then the table of means and 95% t-intervals, the paired ordering test,
+    compare_seeds.json and compare_seeds.png in ``out``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from grouprl.domains.radiology.seed_stats import summarize_seeds
+
+    statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    per_seed, seed_seconds, reused = {}, {}, []
+    for i, (s, status) in enumerate(statuses.items()):
+        seed_dir = out / f"seed_{s}"
+        if status == "complete":
+            console.print(f"seed {s} ({i + 1}/{seeds}): complete results in {seed_dir}, reused (not run again)")
+            reused.append(s)
+        else:
+            if status == "incomplete":
+                # a fresh trainer appends to the logs it finds; an interrupted seed starts over clean
+                console.print(f"seed {s}: {seed_dir} holds an interrupted run (no summary.json); running it again")
+                shutil.rmtree(seed_dir)
+            console.rule(f"[bold]seed {s} ({i + 1}/{seeds})")
+            run_demo(seed_dir, quick=quick, seed=s, compare=True)
+        summary = json.loads((seed_dir / "summary.json").read_text())
+        per_seed[s] = {m: summary["models"][m] for m in COMPARE_MODELS}
+        seed_seconds[s] = summary["wall_seconds"]
+
+    metrics = [key for _, key in TABLE_COLUMNS]
+    stats = summarize_seeds(per_seed, metrics=metrics, order=ORDER, ordered_metrics=ORDERED_METRICS)
+    k = stats["k"]
+    console.rule(f"[bold]{k} seed(s): {', '.join(map(str, stats['seeds']))}")
+    if k == 1:
+        console.print("[bold]one seed: means only; an interval (and the ordering test) needs at least 2 seeds "
+                      "(--seeds 2 or more)")
+    table = Table(title=f"held-out synthetic studies (n={sizes['val']} per seed): mean"
+                        + (f" ± half-width of the 95% t-interval over {k} seeds" if k > 1 else " (one seed)"))
+    table.add_column("model")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
+    for m, row in stats["models"].items():
+        table.add_row(m, *(_fmt(row[key], 1 if key == "mean_words" else 3) for _, key in TABLE_COLUMNS))
+    console.print(table)
+
+    titles = dict((key, title) for title, key in TABLE_COLUMNS)
+    pairs = list(stats["paired"])
+    order_table = Table(title=f"the paper's ordering {stats['ordering']}: paired differences per seed, "
+                              "mean [95% t-interval]")
+    order_table.add_column("metric")
+    for pair in pairs:
+        order_table.add_column(pair.replace("SFT+", ""), justify="right")
+        order_table.add_column("verdict")
+    order_table.add_column("whole ordering")
+    for key in ORDERED_METRICS:
+        cells = []
+        for pair in pairs:
+            cells += [_fmt_diff(stats["paired"][pair][key]), stats["paired"][pair][key]["verdict"]]
+        order_table.add_row(titles[key], *cells, stats["ordering_verdict"][key])
+    console.print(order_table)
+
+    png = out / "compare_seeds.png"
+    plot_seed_intervals(stats, png)
+    wall = time.perf_counter() - t_start
+    result = {
+        **stats,
+        "reward": REWARD,
+        "held_out_studies_per_seed": sizes["val"],
+        "sizes": sizes,
+        "model": DEMO_MODEL,
+        "metrics": {key: title for title, key in TABLE_COLUMNS},
+        "seed_dirs": {s: str(out / f"seed_{s}") for s in statuses},
+        "reused_seeds": reused,
+        "seed_wall_seconds": seed_seconds,
+        "wall_seconds": wall,
+        "plot": str(png),
+    }
+    write_text_atomic(out / "compare_seeds.json", json.dumps(result, indent=2))
+    ran = k - len(reused)
+    console.print(f"total wall time {_min_s(wall)} ({ran} seed(s) run, {len(reused)} reused); each seed's "
+                  "own run: " + ", ".join(f"seed {s}: {_min_s(t)}" for s, t in seed_seconds.items()))
+    console.print(f"plot: {png.resolve()}")
+    console.print(f"summary: {(out / 'compare_seeds.json').resolve()}")
+    return result

@@ -1,0 +1,1 @@
+"""Shared test settings: no network, no hub."""

@@ -1,0 +1,302 @@
+"""End-to-end: tiny text and vision-language models train a few GRPO steps, resume, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, config_from_dict
+from grouprl.trainer.checkpoint import latest_checkpoint, step_dirs
+from grouprl.trainer.grpo import GRPOTrainer
+
+WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
+
+
+@pytest.fixture(scope="module")
+def text_setup(tmp_path_factory):
+    from grouprl.models.tiny import build_tiny_text_lm
+
+    root = tmp_path_factory.mktemp("text")
+    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(6) for w in WORDS]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    corpus = [r["problem"] for r in records] + WORDS
+    model = build_tiny_text_lm(root / "model", corpus, seed=0)
+    return {"data": data, "model": model}
+
+
+@pytest.fixture(scope="module")
+def vlm_setup(tmp_path_factory):
+    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
+    from grouprl.models.tiny import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("vlm")
+    data = write_dataset(root / "data", 8, seed=0, format="llava")
+    model = build_tiny_vlm(root / "model", corpus(), seed=0)
+    return {"data": data, "model": model}
+
+
+def text_config(setup, out: Path, **overrides) -> dict:
+    cfg = {
+        "data": {"train_files": [str(setup["data"])], "max_response_length": 6, "rollout_batch_size": 4},
+        "algorithm": {"adv_estimator": "grpo"},
+        "worker": {
+            "actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
+                      "global_batch_size": 4, "micro_batch_size_per_device_for_update": 4,
+                      "micro_batch_size_per_device_for_experience": 16},
+            "rollout": {"n": 4},
+            "reward": {"functions": [{"name": "accuracy"}, {"name": "length", "weight": 0.5, "kwargs": {"target": 1}}]},
+        },
+        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "device": "cpu", "seed": 3},
+    }
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def params_of(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+
+
+def test_text_model_trains_and_writes_run_directory(text_setup, tmp_path):
+    trainer = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "run")))
+    before = params_of(trainer)
+    trainer.train()
+    after = params_of(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter moved"
+    run = tmp_path / "run"
+    assert (run / "config.yaml").exists()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "rewards/accuracy/mean", "rewards/length/mean", "frac_reward_zero_std",
+                "actor/clipfrac", "actor/entropy", "response_length/mean", "response/truncation_rate",
+                "timing/step_s", "perf/tokens_per_s"):
+        assert key in metrics[0], key
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 4 * 4
+    assert {"prompt", "response", "rewards", "advantage", "score"} <= set(rollouts[0])
+    # advantages of one group are centred (GRPO)
+    first_group = [r["advantage"] for r in rollouts if r["step"] == 1 and r["group"] == 0]
+    assert abs(sum(first_group)) < 1e-4
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [2]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"algorithm.adv_estimator": "rloo", "algorithm.policy_loss": "gspo",
+     "algorithm.loss_agg_mode": "seq-mean-token-mean"},
+    {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.kl_coef": 0.01, "algorithm.use_kl_loss": False},
+    {"algorithm.norm_adv_by_std_in_grpo": False, "algorithm.loss_agg_mode": "seq-mean-token-sum-norm",
+     "algorithm.kl_coef": 0.01, "worker.actor.model.lora": {"rank": 4, "alpha": 8}},
+    {"algorithm.policy_loss": "cispo", "worker.actor.ppo_epochs": 2, "worker.actor.global_batch_size": 2,
+     "algorithm.mask_truncated_completions": True, "algorithm.overlong_buffer": {"enable": True, "length": 2}},
+    {"algorithm.online_filtering": True, "algorithm.max_filter_rounds": 1, "algorithm.adv_estimator": "remax"},
+    {"worker.actor.model.dtype": "bfloat16", "worker.actor.model.enable_gradient_checkpointing": True,
+     "algorithm.policy_loss": "sapo", "algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
+])
+def test_algorithm_variants_run(text_setup, tmp_path, overrides):
+    overrides = {"trainer.max_steps": 1, **overrides}
+    trainer = GRPOTrainer(config_from_dict(text_config(text_setup, tmp_path / "run", **overrides)))
+    metrics = trainer.train()
+    assert all(isinstance(v, float) for v in metrics.values())
+    if overrides.get("algorithm.kl_coef") and overrides.get("algorithm.use_kl_loss", True):
+        assert "actor/kl_loss" in metrics
+    if overrides.get("algorithm.use_kl_loss") is False:
+        assert "reward/kl_penalty" in metrics
+
+
+def test_gradient_accumulation_matches_one_micro_batch(text_setup, tmp_path):
+    """The gradient of a mini-batch is the same whether it is split into micro-batches or not."""
+    grads = []
+    for micro in (16, 3):
+        cfg = text_config(text_setup, tmp_path / f"m{micro}", **{
+            "trainer.max_steps": 1, "worker.actor.micro_batch_size_per_device_for_update": micro,
+            "algorithm.loss_agg_mode": "seq-mean-token-mean"})
+        trainer = GRPOTrainer(config_from_dict(cfg))
+        seen = {}
+        step = trainer.optimizer.step
+
+        def recording_step(*args, **kwargs):
+            seen.update({n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None})
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = recording_step
+        trainer.train()
+        grads.append(seen)
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+    for key in grads[0]:
+        torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-4, atol=1e-7)
+
+
+def test_save_limit_prunes_old_checkpoints(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 3, "trainer.save_freq": 1,
+                                                       "trainer.save_limit": 2})
+    GRPOTrainer(config_from_dict(cfg)).train()
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in step_dirs(root)] == [2, 3]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not list(root.glob(".*tmp"))
+
+
+def test_lora_export_merges_adapter(text_setup, tmp_path):
+    from grouprl.models.export import export_checkpoint
+    from grouprl.models.loading import load_model_and_processor
+
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1,
+                                                       "worker.actor.model.lora": {"rank": 4, "alpha": 8}})
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    merged_dir = export_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"), tmp_path / "merged",
+                                   base_model=str(text_setup["model"]))
+    merged, _, _ = load_model_and_processor(str(merged_dir))
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, trainer.policy(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    assert not (merged_dir / "adapter_config.json").exists()
+
+
+def test_vlm_trains_with_finding_reward(vlm_setup, tmp_path):
+    cfg = {
+        "data": {"train_files": [str(vlm_setup["data"])], "val_files": [str(vlm_setup["data"])],
+                 "max_response_length": 12, "rollout_batch_size": 2, "val_max_samples": 2},
+        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"]), "freeze_vision_tower": True},
+                             "optim": {"lr": 1e-3}, "global_batch_size": 2},
+                   "rollout": {"n": 3},
+                   "reward": {"functions": [{"name": "finding_f1"}]}},
+        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "logger": ["jsonl", "tensorboard"],
+                    "device": "cpu", "val_freq": 2},
+    }
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    vision_before = {k: v.clone() for k, v in trainer.policy.named_parameters() if "visual" in k}
+    trainer.train()
+    for k, v in trainer.policy.named_parameters():
+        if "visual" in k:
+            assert torch.equal(v, vision_before[k]), f"frozen vision parameter {k} moved"
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/reward/mean" in x for x in lines)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
+
+
+def test_missing_reward_and_model_are_config_errors(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run")
+    cfg["worker"]["reward"] = {"functions": []}
+    with pytest.raises(ConfigError, match="no reward"):
+        GRPOTrainer(config_from_dict(cfg))
+    cfg = text_config(text_setup, tmp_path / "run")
+    del cfg["worker"]["actor"]["model"]["model_path"]
+    with pytest.raises(ConfigError, match="model_path"):
+        GRPOTrainer(config_from_dict(cfg))
+
+
+def test_vlm_checkpoint_weights_round_trip(vlm_setup, tmp_path):
+    """save_pretrained renames Qwen2.5-VL keys to the hub layout; resuming must map them back."""
+    from grouprl.models.loading import load_model_and_processor
+    from grouprl.trainer.checkpoint import TrainerState, load_model_weights, save_checkpoint
+
+    model, processor, _ = load_model_and_processor(str(vlm_setup["model"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    path = save_checkpoint(tmp_path / "ck", TrainerState(global_step=1), model, None, None, processor=processor)
+    fresh, _, _ = load_model_and_processor(str(vlm_setup["model"]))
+    load_model_weights(fresh, path)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_completions_log_has_tokens_and_sampler_log_probs(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1, "trainer.log_completions": True})
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16
+    tokenizer = trainer.processor
+    for row in rows:
+        assert len(row["tokens"]) == len(row["token_ids"]) == len(row["log_probs"]) > 0
+        assert all(lp <= 0 for lp in row["log_probs"])
+        assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == row["completion"]
+        assert set(row["rewards"]) == {"accuracy", "length"}
+
+
+def test_editgrpo_edits_in_training(vlm_setup, tmp_path):
+    cfg = {
+        "data": {"train_files": [str(vlm_setup["data"])], "max_response_length": 10, "rollout_batch_size": 2},
+        "algorithm": {"force_gt_num": 1, "norm_adv_by_std_in_grpo": False,
+                      "loss_agg_mode": "seq-mean-token-sum-norm"},
+        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"])}, "global_batch_size": 2},
+                   "rollout": {"n": 4, "extractor": True, "extractor_num_para": -1},
+                   "reward": {"functions": [{"name": "editgrpo_composite"}]}},
+        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "logger": ["jsonl"], "device": "cpu",
+                    "log_completions": True},
+    }
+    GRPOTrainer(config_from_dict(cfg)).train()
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["edits/force_gt"] == 1  # force_gt_num=1: one prompt of the step gets its reference
+    assert metrics["edits/edit_rate"] > 0
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    forced = [r for r in rollouts if r["edit_operations"] and r["edit_operations"][0]["type"] == "force_gt"]
+    assert forced and all(r["response"] == r["reference"] for r in forced)
+    assert all(r["edited"] for r in forced)
+    completions = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert all((c["log_probs"] is None) == r["edited"] for c, r in zip(completions, rollouts))
+
+
+def test_lora_with_trainable_modules_is_refused(text_setup, tmp_path):
+    cfg = text_config(text_setup, tmp_path / "run", **{"worker.actor.model.lora": {"rank": 4},
+                                                       "worker.actor.model.trainable_modules": ["lm_head"]})
+    with pytest.raises(ConfigError, match="trainable_modules.*LoRA"):
+        GRPOTrainer(config_from_dict(cfg))
+
+
+def test_each_policy_loss_gets_its_own_clip_range_from_the_config(text_setup, tmp_path):
+    from grouprl.trainer.grpo import policy_loss_options
+
+    cfg = config_from_dict(text_config(text_setup, tmp_path, **{
+        "worker.actor.gspo": {"clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4},
+        "worker.actor.cispo": {"clip_ratio_low": None, "clip_ratio_high": 4.0},
+        "worker.actor.sapo": {"tau_pos": 0.5, "tau_neg": 2.0}}))
+    actor = cfg.worker.actor
+    assert policy_loss_options("vanilla", actor) == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0}
+    assert policy_loss_options("gspo", actor) == policy_loss_options("gspo_token", actor) == {
+        "clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4}
+    assert policy_loss_options("cispo", actor) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
+    sapo = policy_loss_options("sapo", actor)
+    assert sapo["sapo_tau_pos"] == 0.5 and sapo["sapo_tau_neg"] == 2.0
+    # the defaults are each paper's: GSPO 3e-4 / 4e-4, CISPO capped above only (at ratio 5)
+    defaults = config_from_dict(text_config(text_setup, tmp_path)).worker.actor
+    assert policy_loss_options("gspo", defaults) == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert policy_loss_options("cispo", defaults) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo", "sapo"])
+def test_trainer_runs_each_loss_with_its_own_options(text_setup, tmp_path, loss):
+    cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 1, "algorithm.policy_loss": loss,
+                                                       "worker.actor.ppo_epochs": 2})
+    metrics = GRPOTrainer(config_from_dict(cfg)).train()
+    assert metrics["actor/skipped_step"] == 0 and "actor/clipfrac" in metrics
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_follows_norm_adv_by_std(text_setup, tmp_path, norm):
+    from types import SimpleNamespace
+
+    from grouprl import algorithms
+    from grouprl.trainer.grpo import GRPOTrainer as Trainer
+
+    cfg = config_from_dict(text_config(text_setup, tmp_path, **{"algorithm.adv_estimator": "grpo_passk",
+                                                                 "algorithm.norm_adv_by_std_in_grpo": norm}))
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.2])
+    batch = SimpleNamespace(loss_mask=torch.ones(4, 3), group_index=torch.zeros(4, dtype=torch.long))
+    got = Trainer._advantages(SimpleNamespace(config=cfg), scores, batch, None)
+    want = algorithms.compute_advantages("grpo_passk", scores, batch.group_index, norm_by_std=norm,
+                                         response_mask=batch.loss_mask)
+    torch.testing.assert_close(got, want)
+    assert got[0, 0] == pytest.approx(0.5 / (float(scores.std()) + 1e-6) if norm else 0.5, rel=1e-5)

@@ -1,0 +1,91 @@
+"""`grouprl demo --quick` runs the whole pipeline and writes its outputs (the full demo's gain is in the README)."""
+
+import json
+import math
+
+import pytest
+import yaml
+import torch
+
+from grouprl.domains.radiology import demo
+from grouprl.cli import main
+
+
+def load_weights(model_dir):
+    from grouprl.models.loading import load_model_and_processor
+
+    model, _, _ = load_model_and_processor(str(model_dir))
+    return model.state_dict()
+
+
+def same_weights(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
+def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
+    # Each evaluation's result is tagged with the call that made it, and the weights it
+    # saw are kept, so the summary's rows can be traced back to the model they scored.
+    real_evaluate, seen = demo.evaluate, []
+
+    def evaluate(model, processor, samples, **kwargs):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {**real_evaluate(model, processor, samples, **kwargs), "evaluation_call": len(seen) - 1}
+
+    monkeypatch.setattr(demo, "evaluate", evaluate)
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for model in ("sft", "sft_grpo"):
+        for key in ("mean_reward", "finding_f1_micro", "finding_f1_macro", "finding_f1_per_sample"):
+            assert 0.0 <= summary[model][key] <= 1.0
+
+    # GRPO moved the weights, by small steps (3 Adam steps at lr 1e-4) from the SFT model
+    steps = summary["sizes"]["grpo_steps"]
+    sft = load_weights(out / "sft_model")
+    grpo = load_weights(out / "grpo" / "checkpoints" / f"global_step_{steps}" / "model")
+    assert sft.keys() == grpo.keys()
+    changed = max((sft[k] - grpo[k]).abs().max().item() for k in sft)
+    assert 0.0 < changed < 1e-2
+    # and the summary's rows are the evaluations of those two models, not one copied
+    sft_row_scored_sft = same_weights(seen[summary["sft"]["evaluation_call"]], sft)
+    grpo_row_scored_grpo = same_weights(seen[summary["sft_grpo"]["evaluation_call"]], grpo)
+    assert sft_row_scored_sft and grpo_row_scored_grpo
+
+    # the training curve comes from GRPO's updates: every step had a learning signal and took a step
+    metrics = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    rollouts = [json.loads(x) for x in (out / "grpo" / "rollouts.jsonl").read_text().splitlines()]
+    per_step = summary["sizes"]["prompts_per_step"] * summary["sizes"]["n"]
+    for m in metrics:
+        step_rollouts = [r for r in rollouts if r["step"] == m["step"]]
+        assert len(step_rollouts) == per_step
+        assert m["reward/mean"] == pytest.approx(sum(r["score"] for r in step_rollouts) / per_step)
+        assert m["reward/std"] > 0 and any(abs(r["advantage"]) > 0 for r in step_rollouts)
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0 and m["actor/lr"] > 0
+
+    png = out / "reward_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "SFT+GRPO" in printed and "summary.json" in printed
+    # the demo data went through the real loader in LLaVA format, with images on disk
+    assert (out / "data" / "train" / "data.json").exists() and list((out / "data" / "train" / "images").glob("*.png"))
+
+
+def test_quick_compare_trains_three_variants_from_one_sft(tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["demo", "--quick", "--compare", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Dr.GRPO", "SFT+EditGRPO"]
+    # the model it built is recorded, so `--seeds` never reuses a seed run with another model
+    assert summary["model"] == demo.DEMO_MODEL == {"vocab_size": 1024}
+    assert (out / "compare_rewards.png").read_bytes()[:4] == b"\x89PNG"
+    edit_metrics = [json.loads(x) for x in (out / "editgrpo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("edits/edit_rate" in m for m in edit_metrics)
+    drgrpo = (out / "drgrpo" / "config.yaml").read_text()
+    assert "seq-mean-token-sum-norm" in drgrpo and "norm_adv_by_std_in_grpo: false" in drgrpo
+
+
+def test_guided_and_compare_are_separate_demos(tmp_path, capsys):
+    assert main(["demo", "--guided", "--compare", "--quick", "--out", str(tmp_path / "x")]) == 2
+    assert "--guided and --compare" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,77 @@
+"""`grouprl demo --guided --quick`: GRPO and Guided-GRPO from one SFT model, compared (the full demo's numbers are in the README)."""
+
+import json
+import math
+
+import pytest
+import yaml
+import torch
+
+from grouprl.domains.reasoning import demo
+from grouprl.cli import main
+
+
+def load_weights(model_dir):
+    from grouprl.models.loading import load_model_and_processor
+
+    model, _, _ = load_model_and_processor(str(model_dir))
+    return model.state_dict()
+
+
+def same_weights(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
+def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, capsys, monkeypatch):
+    # every evaluation is tagged with the call that made it and the weights it saw, so the
+    # summary's rows can be traced back to the model they scored
+    real_evaluate, seen = demo.evaluate_arithmetic, []
+
+    def evaluate_arithmetic(model, processor, samples, **kwargs):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {**real_evaluate(model, processor, samples, **kwargs), "evaluation_call": len(seen) - 1}
+
+    monkeypatch.setattr(demo, "evaluate_arithmetic", evaluate_arithmetic)
+    out = tmp_path / "guided"
+    assert main(["demo", "--guided", "--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Guided-GRPO"]
+    assert summary["verifier"]["backend"] == "rule"
+    n_val = summary["held_out_problems"]
+    for row in summary["models"].values():
+        assert len(row["correct"]) == n_val and row["accuracy"] == sum(row["correct"]) / n_val
+
+    # both runs start from the one SFT model, with the same seed, prompts and budget; only the verifier differs
+    grpo_cfg, guided_cfg = (yaml.safe_load((out / run / "config.yaml").read_text()) for run in ("grpo", "guided"))
+    assert guided_cfg["worker"]["rollout"].pop("verifier")["enable"] is True
+    assert grpo_cfg["worker"]["rollout"].pop("verifier")["enable"] is False
+    for cfg in (grpo_cfg, guided_cfg):
+        cfg["trainer"].pop("output_dir"), cfg["trainer"].pop("experiment_name")
+    assert grpo_cfg == guided_cfg
+    assert grpo_cfg["worker"]["actor"]["model"]["model_path"] == str(out / "sft_model")
+
+    # the summary's rows are the evaluations of the saved models, not one copied
+    steps = summary["sizes"]["grpo_steps"]
+    sft = load_weights(out / "sft_model")
+    for run, label in (("grpo", "SFT+GRPO"), ("guided", "SFT+Guided-GRPO")):
+        trained = load_weights(out / run / "checkpoints" / f"global_step_{steps}" / "model")
+        assert not same_weights(trained, sft)
+        assert same_weights(seen[summary["models"][label]["evaluation_call"]], trained)
+    assert same_weights(seen[summary["models"]["SFT"]["evaluation_call"]], sft)
+
+    # the guided run's samples were dialogues with the rule verifier; the plain run's were single turns
+    rollouts = {run: [json.loads(x) for x in (out / run / "rollouts.jsonl").read_text().splitlines()]
+                for run in ("grpo", "guided")}
+    assert all("dialogue" not in r for r in rollouts["grpo"])
+    assert all(r["dialogue"] and 1 <= r["num_turns"] <= demo.GUIDED_MAX_TURNS for r in rollouts["guided"])
+    metrics = [json.loads(x) for x in (out / "guided" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["training"]["SFT+Guided-GRPO"]["turns_mean"] == pytest.approx(
+        sum(m["multiturn/turns_mean"] for m in metrics) / len(metrics))
+    # SFT saw correction dialogues: the slipped answer and the rule verifier's own reply to it
+    corrections = [json.loads(x) for x in (out / "data" / "corrections.jsonl").read_text().splitlines()]
+    assert corrections and all("Re-check" in c["messages"][2]["content"] or "sign" in c["messages"][2]["content"]
+                               for c in corrections)
+
+    assert (out / "guided_rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out.replace("\n", "")  # rich wraps long paths at the console's width
+    assert "SFT+Guided-GRPO" in printed and "summary.json" in printed
