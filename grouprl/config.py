@@ -385,10 +385,12 @@ class RewardConfig:
     # EasyR1's single-function form, `path/to/file.py:function`.
     reward_function: str | None = None
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
-    # EditGRPO's reward server (`grouprl serve rewards`): POST {hyps, refs, type, components}.
+    # A reward server's URL (EditGRPO's protocol, `grouprl serve rewards`), scored by the client a
+    # plugin registers as "reward_server" (grouprl.rewards.registry.REWARD_SERVER_CLIENTS); its
+    # composite is one more weighted component. The keys below are passed on to that client.
     reward_server: str | None = None
     reward_server_weight: float = 1.0
-    reward_components: list[str] = field(default_factory=lambda: ["radgraphf1", "cxb14micro", "ratescore"])
+    reward_components: list[str] | None = None  # None: the client's default (radiology: EditGRPO's trainer's)
     type: str = field(default="free_form", metadata=_choices("short", "cot", "free_form"))
     server_batch_size: int = 64
     server_max_concurrency: int = 4

@@ -35,7 +35,13 @@ _REGISTRY: dict[str, RewardFn] = {}
 _FILE_MODULES: dict[Path, object] = {}
 _FILE_LOCK = threading.Lock()
 
-from grouprl.registry import PLUGIN_GROUP
+from grouprl.config import ConfigError
+from grouprl.registry import PLUGIN_GROUP, Registry
+
+# How ``worker.reward.reward_server`` is scored: a factory ``f(reward_config) -> reward``
+# (a callable with the reward contract) registered under the config key's name,
+# "reward_server", by the domain that serves the protocol (radiology's client).
+REWARD_SERVER_CLIENTS: Registry = Registry("reward server client", error=ConfigError)
 
 
 class RewardLoadError(ValueError):

@@ -27,6 +27,7 @@ import torch
 from grouprl import algorithms
 from grouprl.config import ActorConfig, Config, ConfigError, redacted, save_config, write_text_atomic
 from grouprl.rollout.batch import RolloutBatch
+from grouprl.rollout.transforms import RolloutTransform
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
@@ -35,7 +36,6 @@ from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_polic
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
-RolloutTransform = Callable[[RolloutBatch], RolloutBatch]
 
 
 def build_rewards(config: Config):
@@ -48,14 +48,9 @@ def build_rewards(config: Config):
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs)) for f in r.functions]
     rewards = RewardSet.from_specs(specs) if specs else None
     if r.reward_server:
-        import os
+        from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
 
-        from grouprl.domains.radiology.server.client import RewardServerClient
-
-        client = RewardServerClient(
-            r.reward_server, components=list(r.reward_components), type=r.type, batch_size=r.server_batch_size,
-            max_concurrency=r.server_max_concurrency, timeout=r.server_timeout, retries=r.server_retries,
-            token=os.environ.get("GROUPRL_REWARD_TOKEN"))
+        client = REWARD_SERVER_CLIENTS.get("reward_server")(r)  # an unknown name is a ConfigError
         # the server's composite is one more weighted component beside any in-process rewards
         components = list(rewards.components) if rewards is not None else []
         components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
@@ -212,8 +207,8 @@ class GRPOTrainer:
             norm_len=float(config.data.max_response_length))
 
         from grouprl.models.loading import check_image_tokens
-        from grouprl.models.inputs import end_of_turn_id
         from grouprl.rollout.engine import engine_class
+        from grouprl.rollout.transforms import build_rollout_transforms
 
         # Generation runs on a copy of the weights when the policy's own cannot serve:
         # fp32 masters (sampling from a bf16 copy reads half the bytes per token), an FSDP
@@ -227,18 +222,8 @@ class GRPOTrainer:
         rollout_model = self._frozen_copy(actor.model.model_path) if copy_here else self.policy
         self.engine = engine_cls.from_config(rollout_model, self.processor, config=config, holds_weights=holds_weights)
         self._sync_rollout_weights()
-        if roll.extractor or config.algorithm.force_gt_num > 0:
-            from grouprl.domains.radiology.edits import EditTransform
-
-            # EditGRPO: edited copies join their group after generation and before rewards,
-            # so their old log-probs come from the actor like any other row's
-            self.rollout_transforms.append(EditTransform(
-                self.processor, eos_token_id=end_of_turn_id(self.processor),
-                pad_token_id=self.engine.pad_token_id, num_ops_per_para=roll.extractor_num_ops_per_para,
-                num_para=roll.extractor_num_para if roll.extractor else 0, tau=roll.extractor_similarity_threshold,
-                force_gt_num=config.algorithm.force_gt_num, seed=t.seed, extractor=roll.extractor_type,
-                extractor_model_path=roll.extractor_model_path,
-                edited_tokens=roll.extractor_edited_tokens))
+        # registered rollout transforms that the config turns on (EditGRPO's edits: worker.rollout.extractor*)
+        self.rollout_transforms += build_rollout_transforms(config, processor=self.processor, engine=self.engine)
         self.multiturn = self._multiturn()
         self._check_async_mode()
         correction = config.algorithm.rollout_correction

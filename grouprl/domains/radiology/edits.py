@@ -44,10 +44,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from grouprl.models.inputs import tokenizer_of
+from grouprl.models.inputs import end_of_turn_id, tokenizer_of
 from grouprl.domains.radiology.rewards.entities import ReportGraph, sentence_spans, split_sentences
 from grouprl.domains.radiology.rewards.ratescore import EntityMatching, RateEntity, match_entities, rate_entities, text_similarity
 from grouprl.rollout.batch import RolloutBatch
+from grouprl.rollout.transforms import register_rollout_transform
 
 OPERATION_TYPES = ("correct", "replace", "delete", "add", "fill")
 FORCE_GT = "force_gt"  # the report-level replacement, recorded like an operation in the rollouts log
@@ -556,3 +557,22 @@ class EditTransform:
         metrics = {"edits/edit_rate": len(changes) / rows if rows else 0.0, "edits/force_gt": float(force_gt)}
         metrics.update({f"edits/op_{t}": float(c) for t, c in counts.items()})
         return metrics
+
+
+@register_rollout_transform("editgrpo_edits")
+def edit_transform_from_config(config, *, processor, engine) -> EditTransform | None:
+    """EditGRPO's edits as the config asks for them (``worker.rollout.extractor*``,
+    ``algorithm.force_gt_num``), or None when both are off.
+
+    Edited copies join their group after generation and before rewards, so their old
+    log-probs come from the actor like any other row's.
+    """
+    roll, algorithm = config.worker.rollout, config.algorithm
+    if not (roll.extractor or algorithm.force_gt_num > 0):
+        return None
+    return EditTransform(
+        processor, eos_token_id=end_of_turn_id(processor), pad_token_id=engine.pad_token_id,
+        num_ops_per_para=roll.extractor_num_ops_per_para, num_para=roll.extractor_num_para if roll.extractor else 0,
+        tau=roll.extractor_similarity_threshold, force_gt_num=algorithm.force_gt_num, seed=config.trainer.seed,
+        extractor=roll.extractor_type, extractor_model_path=roll.extractor_model_path,
+        edited_tokens=roll.extractor_edited_tokens)

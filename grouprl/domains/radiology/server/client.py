@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -341,3 +342,20 @@ def _server_message(response) -> str:
         pass
     text = response.text.strip()
     return text[:500] if text else f"(empty HTTP {response.status_code} answer)"
+
+
+# EditGRPO's trainer requests these when its config names none
+TRAINER_DEFAULT_COMPONENTS = ("radgraphf1", "cxb14micro", "ratescore")
+
+
+def client_from_config(reward) -> RewardServerClient:
+    """The client for ``worker.reward.reward_server`` and its keys (``reward`` is that config section).
+
+    The bearer token comes from ``$GROUPRL_REWARD_TOKEN``, never from a config file.
+    """
+    components = list(reward.reward_components) if reward.reward_components is not None \
+        else list(TRAINER_DEFAULT_COMPONENTS)
+    return RewardServerClient(
+        reward.reward_server, components=components, type=reward.type, batch_size=reward.server_batch_size,
+        max_concurrency=reward.server_max_concurrency, timeout=reward.server_timeout, retries=reward.server_retries,
+        token=os.environ.get("GROUPRL_REWARD_TOKEN"))
