@@ -1,7 +1,7 @@
 """Group-relative RL for flow-matching image models: Flow-GRPO, Flow-GRPO-Fast and GRPO-Guard.
 
 diffusers' split: ``models`` (the transformer, text encoders and VAE, loaded from a
-local path), ``sampling`` (the SDE / CPS step with its log-probability, pure
+local path), ``scheduler`` (the SDE / CPS step with its log-probability, pure
 functions), ``pipeline`` (the loop that runs them), ``objectives`` (advantages, the
 clipped ratio loss, KL, GRPO-Guard), ``rewards`` (image rewards) and ``trainer``.
 The sampling math needs only torch; everything that loads a model needs

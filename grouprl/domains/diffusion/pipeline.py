@@ -1,7 +1,7 @@
 """The pipeline: runs a flow model and the step math over a whole denoising trajectory.
 
 diffusers' split: the model (``models.FlowModel``: transformer, text encoders, VAE),
-the scheduler math (``sampling.sde_step``, a pure function) and this loop, which
+the scheduler math (``scheduler.sde_step``, a pure function) and this loop, which
 calls the transformer once per step (twice in one batch with classifier-free
 guidance) and hands the velocity to the step math. The schedule itself (sigmas and
 the transformer's timesteps) comes from the model's own diffusers scheduler.
