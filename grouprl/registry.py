@@ -86,8 +86,9 @@ class Registry(Generic[T]):
 
     ``kind`` names the part in messages ("reward", "rollout engine"); ``error`` is the
     exception an unknown name raises (a ``LookupError`` or ``ValueError`` subclass of
-    the caller's, so existing ``except`` clauses keep working); ``check`` validates each
-    registered object (say, that it is callable) when it is resolved.
+    the caller's, so existing ``except`` clauses keep working); ``check(name, obj)``
+    validates each registered object (say, that it is callable): an object when it is
+    registered, a ``"module:attr"`` reference when it is first resolved.
     """
 
     def __init__(self, kind: str, *, error: type[Exception] = KeyError,
@@ -112,6 +113,8 @@ class Registry(Generic[T]):
                 self.register(name, target, overwrite=overwrite)
                 return target
             return decorate
+        if self.check is not None and not isinstance(obj, str):
+            self.check(name, obj)
         with self._lock:
             existing = self._entries.get(name)
             if (existing is not None and not overwrite

@@ -1,17 +1,24 @@
-"""Reward names -> functions: the registry of built-ins and loading user rewards by reference.
+"""Reward names -> functions: the registries of the two reward contracts, and loading a reward by reference.
 
-A reward is referenced in config in one of three ways:
+Each contract (:mod:`grouprl.rewards.contract`) has its own :class:`~grouprl.registry.Registry`:
+:data:`REWARDS` for text rewards ``f(prompts, completions, **columns)``, :data:`IMAGE_REWARDS`
+for image rewards ``f(images, prompts, **metadata)``; a name means one function of one
+contract. A reward is referenced in config in one of three ways:
 
-- a registered name (``"accuracy"``), see :func:`register_reward`;
+- a registered name (``"accuracy"``, ``"ocr"``), see :func:`register_reward` and
+  :func:`register_image_reward`;
 - ``path/to/file.py:function``, a function in a Python file, loaded from that file
   (a relative path is resolved against the current directory);
 - ``package.module:function``, a function in an importable module.
 
-Domain packages (the radiology rewards, the finding-level rewards) are not imported
-by the core: each is a *plugin*, an entry point in the ``grouprl.plugins`` group
-(see ``[project.entry-points."grouprl.plugins"]`` in pyproject.toml) naming a module
-that registers its rewards when imported. The plugins are imported the first time a
-name is not found, and by :func:`registered_rewards`.
+Loading by reference is the same for both contracts: one module object per resolved
+file, so that a file named by a text and an image reward, or by two specs, is executed
+once and its functions share its module state (caches, clients).
+
+Domain packages are not imported by the core: each is a *plugin*, an entry point in the
+``grouprl.plugins`` group (see ``[project.entry-points."grouprl.plugins"]`` in
+pyproject.toml) naming a module that registers its rewards when imported. The plugins
+are imported the first time a name is not found, and by :func:`registered_rewards`.
 """
 
 from __future__ import annotations
@@ -19,61 +26,64 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
-import importlib.metadata
 import importlib.util
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-RewardFn = Callable[..., object]
-
-_REGISTRY: dict[str, RewardFn] = {}
-
-# One module object per resolved file, so that two specs naming functions of the same
-# file share its module state (caches, clients) instead of executing it twice.
-_FILE_MODULES: dict[Path, object] = {}
-_FILE_LOCK = threading.Lock()
-
+from grouprl import registry as _registry
 from grouprl.config import ConfigError
 from grouprl.registry import PLUGIN_GROUP, Registry
 
-# How ``worker.reward.reward_server`` is scored: a factory ``f(reward_config) -> reward``
-# (a callable with the reward contract) registered under the config key's name,
-# "reward_server", by the domain that serves the protocol (radiology's client).
-REWARD_SERVER_CLIENTS: Registry = Registry("reward server client", error=ConfigError)
+RewardFn = Callable[..., object]
 
 
 class RewardLoadError(ValueError):
     """A reward reference that cannot be turned into a function (unknown name, bad file, bad options)."""
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under ``name`` (returns the function unchanged).
+def _callable_only(kind: str) -> Callable[[str, Any], None]:
+    def check(name: str, obj: Any) -> None:
+        if not callable(obj):
+            raise TypeError(f"{kind} {name!r} must be a callable, got {type(obj).__name__}")
+    return check
 
-    Names may not contain ``:`` (reserved for ``file.py:function`` references) or ``@``
-    (reserved for the ``name@i`` keys of a name used twice in one reward set).
+
+# ':' is reserved for file.py:function references, '@' for the name@i keys of a name used
+# twice in one reward set.
+REWARDS: Registry[RewardFn] = Registry("reward", error=RewardLoadError, check=_callable_only("reward"),
+                                       reserved=":@")
+IMAGE_REWARDS: Registry[RewardFn] = Registry("image reward", error=RewardLoadError,
+                                             check=_callable_only("image reward"), reserved=":@")
+# Each contract's registry, and what its functions are, for messages.
+_CONTRACT_REGISTRIES = ((REWARDS, "a text reward, f(prompts, completions, **columns)"),
+                        (IMAGE_REWARDS, "an image reward, f(images, prompts, **metadata)"))
+
+# How ``worker.reward.reward_server`` is scored: a factory ``f(reward_config) -> reward``
+# (a callable with the reward contract) registered under the config key's name,
+# "reward_server", by the domain that serves the protocol (radiology's client).
+REWARD_SERVER_CLIENTS: Registry = Registry("reward server client", error=ConfigError)
+
+# One module object per resolved file, so that two specs naming functions of the same
+# file share its module state (caches, clients) instead of executing it twice.
+_FILE_MODULES: dict[Path, object] = {}
+_FILE_LOCK = threading.Lock()
+
+
+def register_reward(name: str, fn: RewardFn | str | None = None):
+    """Register a text reward under ``name``: ``register_reward(name, fn)``, or ``@register_reward(name)``
+    (returns the function unchanged); ``fn`` may be a lazy ``"module:function"`` reference.
+
+    Names may not contain ``:`` or ``@``. Registering the same function again (a module
+    reloaded) is allowed; another function under a taken name is an error.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
-    if ":" in name or "@" in name:
-        raise ValueError(f"reward name {name!r} may not contain ':' or '@'")
+    return REWARDS.register(name, fn)
 
-    def decorate(fn: RewardFn) -> RewardFn:
-        if not callable(fn):
-            raise TypeError(f"register_reward({name!r}) needs a callable, got {type(fn).__name__}")
-        existing = _REGISTRY.get(name)
-        # Re-executing the defining module (reload, notebooks) registers "the same" function
-        # again; a different function under a taken name is a real clash.
-        if existing is not None and _qualified_name(existing) != _qualified_name(fn):
-            raise ValueError(
-                f"reward name {name!r} is already registered to {_qualified_name(existing)}; "
-                f"cannot register {_qualified_name(fn)} under it"
-            )
-        _REGISTRY[name] = fn
-        return fn
 
-    return decorate
+def register_image_reward(name: str, fn: RewardFn | str | None = None):
+    """:func:`register_reward` for image rewards (:data:`IMAGE_REWARDS`)."""
+    return IMAGE_REWARDS.register(name, fn)
 
 
 def load_plugins() -> list[str]:
@@ -82,59 +92,67 @@ def load_plugins() -> list[str]:
     A plugin that fails to import raises :class:`RewardLoadError` naming it: a broken
     plugin must not silently take its rewards away.
     """
-    from grouprl import registry
-
     try:
-        return registry.load_plugins()
-    except registry.PluginError as exc:
+        return _registry.load_plugins()
+    except _registry.PluginError as exc:
         raise RewardLoadError(str(exc)) from exc
 
 
-def registered_rewards() -> list[str]:
-    """The registered reward names, those of every installed plugin included, sorted."""
+def registered_rewards(registry: Registry = REWARDS) -> list[str]:
+    """The names registered in ``registry`` (text rewards by default), those of every installed plugin included, sorted."""
     load_plugins()
-    return sorted(_REGISTRY)
+    return registry.names(plugins=False)
 
 
-def get_reward(name_or_spec: str) -> RewardFn:
-    """The reward function for a registered name, ``path/to/file.py:function`` or ``module:function``."""
-    if not isinstance(name_or_spec, str) or not name_or_spec.strip():
-        raise RewardLoadError(f"a reward reference must be a non-empty string, got {name_or_spec!r}")
-    ref = name_or_spec.strip()
-    if ref in _REGISTRY:
-        return _REGISTRY[ref]
-    if ":" not in ref and not ref.endswith(".py"):
+def get_reward(reference: str, registry: Registry = REWARDS) -> RewardFn:
+    """The reward for a name registered in ``registry`` (text rewards by default),
+    ``path/to/file.py:function`` or ``module:function``.
+
+    Raises :class:`RewardLoadError` naming the reference when the name is unknown, the
+    file or module is missing, or it has no such function.
+    """
+    kind = registry.kind
+    if not isinstance(reference, str) or not reference.strip():
+        raise RewardLoadError(f"{kind} reference must be a non-empty string, got {reference!r}")
+    ref = reference.strip()
+    if ref not in registry and ":" not in ref and not ref.endswith(".py"):
         # A name not registered yet may belong to a plugin nobody has imported.
         load_plugins()
-        if ref in _REGISTRY:
-            return _REGISTRY[ref]
+    if ref in registry:
+        try:
+            return registry.get(ref)
+        except (ImportError, TypeError) as exc:  # a lazy "module:function" registration that does not resolve
+            raise RewardLoadError(f"{kind} {ref!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     if ":" in ref:
         # rpartition: the function name never holds ':', a Windows drive letter may.
         source, _, function = ref.rpartition(":")
         if not function:
-            raise RewardLoadError(f"reward reference {ref!r} names no function after ':'")
-        if source.endswith(".py"):
-            return _load_from_file(source, function)
-        return _load_from_module(source, function)
+            raise RewardLoadError(f"{kind} reference {ref!r} names no function after ':'")
+        try:
+            return _load_from_file(source, function) if source.endswith(".py") else _load_from_module(source, function)
+        except RewardLoadError as exc:
+            raise RewardLoadError(f"{kind} {ref!r}: {exc}") from exc
     if ref.endswith(".py"):
-        raise RewardLoadError(
-            f"reward reference {ref!r} names a file but no function; write it as {ref}:function_name"
-        )
-    raise RewardLoadError(_unknown_name_message(ref))
+        raise RewardLoadError(f"{kind} reference {ref!r} names a file but no function; write it as {ref}:function_name")
+    raise RewardLoadError(_unknown_name_message(ref, registry))
 
 
-def _unknown_name_message(ref: str) -> str:
-    known = registered_rewards()
+def _unknown_name_message(ref: str, registry: Registry) -> str:
+    kind = registry.kind
+    known = registry.names(plugins=False)  # the plugins are loaded by now
     plugins = load_plugins()
     close = difflib.get_close_matches(ref, known, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
+    # A name of the other contract is the likeliest mix-up (an image reward in a text run's config).
+    other = [what for r, what in _CONTRACT_REGISTRIES if r is not registry and ref in r]
+    elsewhere = f" {ref!r} is {other[0]}: another contract." if other else ""
     # No plugin at all usually means grouprl runs from a source tree that was never
     # installed, so the entry points that bring in the domain rewards do not exist.
     origin = (f"plugins loaded: {', '.join(plugins)}" if plugins else
               f"no {PLUGIN_GROUP} entry points are installed; `pip install -e .` adds grouprl's")
     return (
-        f"unknown reward {ref!r}. Known rewards: {', '.join(known) or '(none)'} ({origin}); "
-        f"or reference a function as path/to/file.py:function.{hint}"
+        f"unknown {kind} {ref!r}. Known {kind}s: {', '.join(known) or '(none)'} ({origin}); "
+        f"or reference a function as path/to/file.py:function.{elsewhere}{hint}"
     )
 
 
@@ -191,7 +209,3 @@ def _function_of(module: object, function: str, *, where: str) -> RewardFn:
     if not callable(fn):
         raise RewardLoadError(f"{where}: {function!r} is a {type(fn).__name__}, not a callable")
     return fn
-
-
-def _qualified_name(fn: RewardFn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"

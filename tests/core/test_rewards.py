@@ -23,6 +23,7 @@ from grouprl.rewards import (
     register_reward,
     registered_rewards,
 )
+from grouprl.config import RewardFunctionConfig
 from grouprl.rewards import registry, rule_based
 
 PROMPTS = ["p0", "p1", "p2"]
@@ -35,10 +36,10 @@ def clean_registry():
     # Plugins first: a plugin imported during the test would be dropped by the restore
     # below and, its module being imported already, never register its names again.
     registry.load_plugins()
-    saved = dict(registry._REGISTRY)
+    before = set(registry.REWARDS.names())
     yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+    for name in set(registry.REWARDS.names()) - before:
+        registry.REWARDS.unregister(name)
 
 
 def by_length(prompts, completions, **kwargs):
@@ -233,14 +234,66 @@ def test_spec_validation():
     assert RewardSpec.coerce({"name": "length", "weight": 3, "kwargs": {"target": 5}}) == RewardSpec(
         "length", 3.0, {"target": 5}
     )
+    # a config section's entry (name, weight, kwargs attributes), and on_error as for image rewards
+    assert RewardSpec.coerce(RewardFunctionConfig(name="length", weight=2.0, kwargs={"target": 5})) == RewardSpec(
+        "length", 2.0, {"target": 5}
+    )
+    assert RewardSpec.coerce({"name": "format", "on_error": "none"}).on_error == "none"
+    with pytest.raises(RewardLoadError, match=r"reward 'format': on_error must be one of raise, none, got 'zero'"):
+        RewardSpec("format", on_error="zero")
     with pytest.raises(RewardLoadError, match=r"at least one reward"):
         RewardSet.from_specs([])
+
+
+def test_on_error_none_leaves_a_failing_rewards_rows_unscored(clean_registry, caplog):
+    calls = []
+
+    @register_reward("_t_judge_down")
+    def judge_down(prompts, completions, **kwargs):
+        calls.append(len(completions))
+        raise ConnectionError("judge unreachable")
+
+    rewards = RewardSet.from_specs([{"name": "_t_judge_down", "weight": 3.0, "on_error": "none"}, by_length])
+    with caplog.at_level("WARNING", logger="grouprl.rewards.scoring"):
+        result = rewards.score(PROMPTS, COMPLETIONS)
+    assert result.components["_t_judge_down"] == [None, None, None]
+    assert result.total == [1.0, 2.0, 3.0]  # the length alone: the failed reward adds nothing, not 3 * 0
+    assert "reward '_t_judge_down' raised ConnectionError: judge unreachable (a batch of 3 row(s))" in (
+        result.errors["_t_judge_down"])
+    assert result.metrics()["rewards/_t_judge_down/failed"] == 1.0
+    assert result.metrics()["rewards/by_length/failed"] == 0.0
+    assert any("_t_judge_down" in r.getMessage() for r in caplog.records)
+    # alone, it leaves every row unscored: an error naming why, or None totals; never 0
+    alone = RewardSet.from_specs([{"name": "_t_judge_down", "on_error": "none"}])
+    with pytest.raises(RewardError, match=r"row 0: every reward returned None.*judge unreachable"):
+        alone.score(PROMPTS, COMPLETIONS)
+    assert alone.score(PROMPTS, COMPLETIONS, allow_unscored=True).total == [None, None, None]
+    # a contract break is a bug in the reward, never forgiven by on_error
+    register_reward("_t_too_short")(lambda prompts, completions, **kwargs: [1.0])
+    with pytest.raises(RewardError, match=r"reward '_t_too_short' returned 1 values for 3 completions"):
+        RewardSet.from_specs([{"name": "_t_too_short", "on_error": "none"}]).score(PROMPTS, COMPLETIONS)
+
+
+def test_a_failing_sync_reward_does_not_wait_for_the_async_ones():
+    started = []
+
+    async def slow_judge(prompts, completions, **kwargs):
+        started.append(True)
+        await asyncio.sleep(30)
+        return [1.0] * len(completions)
+
+    def broken(prompts, completions, **kwargs):
+        raise KeyError("no such field")
+
+    with pytest.raises(RewardError, match=r"reward 'broken' raised KeyError"):
+        score([slow_judge, broken])
+    assert started == []  # its coroutine was closed, never run
 
 
 def test_empty_batch_scores_nothing():
     result = score([by_length], prompts=[], completions=[])
     assert result.total == [] and result.components == {"by_length": []}
-    assert result.metrics() == {"rewards/by_length/applicable_frac": 0.0}
+    assert result.metrics() == {"rewards/by_length/applicable_frac": 0.0, "rewards/by_length/failed": 0.0}
 
 
 # ---------------------------------------------------------------- metrics
@@ -291,6 +344,8 @@ def test_register_rejects_clashes_and_reserved_characters(clean_registry):
     for bad in ("a:b", "a@1", ""):
         with pytest.raises(ValueError):
             register_reward(bad)
+    with pytest.raises(TypeError, match=r"reward '_t_number' must be a callable, got int"):
+        register_reward("_t_number", 3)
 
 
 def test_unknown_name_lists_known_names():

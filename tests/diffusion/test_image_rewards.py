@@ -1,4 +1,5 @@
-"""Image rewards (grouprl.domains.diffusion.rewards): registry, specs, concurrent scoring, failures, OCR, the VLM judge.
+"""Image rewards: the image contract's registry, specs, concurrent scoring and failures (grouprl.rewards,
+the same code as the text rewards'), and the rewards of grouprl.domains.diffusion.rewards: OCR, the VLM judge.
 
 The VLM judge runs against a real OpenAI-compatible server on loopback: a small FastAPI
 app served by uvicorn in a thread, which checks the bearer key, decodes the image data
@@ -10,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import logging
 import socket
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +41,7 @@ from grouprl.domains.diffusion.rewards import (
     register_image_reward,
     score_images,
 )
-from grouprl.rewards import RewardError, RewardLoadError, RewardSpec
+from grouprl.rewards import RewardComponent, RewardError, RewardLoadError, RewardSet, RewardSpec
 
 # The judge's server needs FastAPI at module level (it resolves the handler's annotations
 # from the module); without it only the server tests are skipped.
@@ -60,6 +64,31 @@ def test_builtins_are_registered_and_text_rewards_are_not():
     assert get_image_reward("image_brightness") is rewards.image_brightness_reward
     with pytest.raises(RewardLoadError, match=r"unknown image reward 'accuracy'.*Known image rewards: .*ocr"):
         get_image_reward("accuracy")
+
+
+def test_the_plugin_registers_the_builtins_without_importing_them():
+    code = textwrap.dedent("""
+        import json, sys
+        from grouprl.rewards import IMAGE_REWARDS, ImageRewardSet, get_reward, registered_rewards
+        names = registered_rewards(IMAGE_REWARDS)
+        imported_by_listing = "grouprl.domains.diffusion.rewards" in sys.modules
+        fn = get_reward("image_brightness", IMAGE_REWARDS)
+        keys = ImageRewardSet.from_specs(["shapes"]).keys
+        print(json.dumps({"names": names, "before": imported_by_listing, "module": fn.__module__, "keys": keys}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"ocr", "vlm_judge", "image_brightness", "shapes"} <= set(seen["names"])
+    assert seen["before"] is False and seen["module"] == "grouprl.domains.diffusion.rewards"
+    assert seen["keys"] == ["shapes"]
+
+
+def test_a_name_of_the_other_contract_says_so():
+    with pytest.raises(RewardLoadError, match=r"'accuracy' is a text reward, f\(prompts, completions"):
+        get_image_reward("accuracy")
+    with pytest.raises(RewardLoadError, match=r"unknown reward 'ocr'.*'ocr' is an image reward, f\(images, prompts"):
+        RewardSet.from_specs(["ocr"])
 
 
 def test_register_a_name_and_refuse_clashes():
@@ -134,8 +163,8 @@ def test_specs_from_every_form():
     ])
     assert loaded.keys == ["image_brightness@0", "image_brightness@1", "image_brightness@2", "ocr", "vlm_judge"]
     assert list(loaded.weights.values()) == [1.0, 2.0, 0.5, 0.25, 1.0]
-    assert [r.on_error for r in loaded.rewards] == ["raise"] * 3 + ["none", "raise"]
-    assert loaded.rewards[3].options == {"substring_match": False}
+    assert [c.on_error for c in loaded.components] == ["raise"] * 3 + ["none", "raise"]
+    assert loaded.components[3].options == {"substring_match": False}
     with pytest.raises(RewardLoadError, match=r"unknown keys \['wieght'\]"):
         ImageRewardSpec.coerce({"name": "ocr", "wieght": 2})
     with pytest.raises(RewardLoadError, match="image reward 'ocr': on_error must be one of raise, none"):
@@ -154,7 +183,7 @@ def test_weighted_total_skips_rows_a_reward_does_not_apply_to():
     def second(images, prompts, **metadata):
         return [0.2, 0.4, None]
 
-    loaded = ImageRewardSet([rewards.ImageReward("first", first, 0.5), rewards.ImageReward("second", second, 2.0)])
+    loaded = ImageRewardSet([RewardComponent("first", first, 0.5), RewardComponent("second", second, 2.0)])
     images, prompts = [solid("white")] * 3, ["a", "b", "c"]
     result = loaded.score(images, prompts, allow_unscored=True)
     assert result.components == {"first": [1.0, None, None], "second": [0.2, 0.4, None]}
@@ -226,7 +255,7 @@ def test_a_raising_reward_fails_the_batch_naming_it_and_the_row_count():
     with pytest.raises(RewardError) as exc:
         score_images(["image_brightness", boom], [solid("white")] * 3, ["a", "b", "c"])
     assert exc.value.reward == "boom"
-    assert "image reward 'boom' raised ZeroDivisionError on a batch of 3 row(s): no light" in str(exc.value)
+    assert "image reward 'boom' raised ZeroDivisionError: no light (a batch of 3 row(s))" in str(exc.value)
 
 
 def test_on_error_none_leaves_rows_unscored_and_records_why(caplog, user_file):
@@ -235,7 +264,7 @@ def test_on_error_none_leaves_rows_unscored_and_records_why(caplog, user_file):
 
     register_image_reward("test_only_judge_down")(judge_down)
     specs = [{"name": "test_only_judge_down", "weight": 3.0, "on_error": "none"}, "image_brightness"]
-    with caplog.at_level(logging.WARNING, logger="grouprl.domains.diffusion.rewards"):
+    with caplog.at_level(logging.WARNING, logger="grouprl.rewards.scoring"):
         result = score_images(specs, [solid("white"), solid("black")], ["a", "b"])
     assert result.components["test_only_judge_down"] == [None, None]
     assert result.total == [1.0, 0.0]  # the brightness alone; the failed reward adds nothing, not 3 * 0

@@ -178,6 +178,10 @@ def test_format_pseudo_component_follows_editgrpo(client):
     p = post(client, {"hyps": refs, "refs": refs, "type": "free_form", "editgrpo_keys": False,
                       "requested_reward_components": ["t_exact", "format"]}).json()["data"]["predictions"]
     assert p["final_scores"] == [1.0, 1.0]  # EditGRPO adds no format score under free_form
+    data = post(client, {"hyps": refs, "refs": refs, "type": "free_form", "editgrpo_keys": False,
+                         "requested_reward_components": ["format"]}).json()["data"]
+    assert data["predictions"]["final_scores"] == [0.0, 0.0]  # a composite left with no term is 0, not unscored
+    assert data["weights"] == {"format": 1.0}
 
 
 def test_editgrpo_key_names_carry_mapped_components(client, monkeypatch):

@@ -1,358 +1,61 @@
-"""Image rewards for the flow (diffusion) trainer: the contract, the registry, scoring a batch, the built-ins.
+"""The image rewards of the flow (diffusion) trainer: OCR accuracy, a VLM judge, brightness, the shapes task.
 
-An image reward is a callable::
-
-    fn(images: list[PIL.Image.Image], prompts: list[str], **metadata) -> list[float | None]
-
-called with keyword arguments for the metadata: per-row lists aligned with the images
-(the prompt record's other fields, e.g. ``text``, the OCR target). A function must
-accept ``**metadata`` for the columns it ignores. ``None`` means "not applicable to this
-row". ``async def`` functions are awaited on the event loop; plain functions run in a
-worker thread (``asyncio.to_thread``) so that a slow one (OCR, a local model) does not
-hold up the others: every reward of a set runs concurrently. Images are RGB and shared
-between the rewards of a set: a reward must not modify them in place.
-
-Reference a reward by registered name (``ocr``, ``vlm_judge``, ``image_brightness``),
-``path/to/file.py:function`` or ``module:function``; combine several with weights::
+An image reward is ``fn(images, prompts, **metadata) -> list[float | None]``, the core's
+image contract (:data:`grouprl.rewards.IMAGE`): RGB ``PIL`` images, shared by the rewards
+of a set and not to be modified in place; ``metadata`` the prompt record's other fields
+as per-row lists (e.g. ``text``, the OCR target); ``None`` = not applicable; plain
+functions run in worker threads and ``async def`` ones on the event loop, every reward
+of a set at once. Scoring, weights, ``on_error`` and the checks are the core's, the same
+as for text rewards (:mod:`grouprl.rewards.scoring`)::
 
     rewards = ImageRewardSet.from_specs([{"name": "ocr"}, {"name": "vlm_judge", "weight": 0.5,
                                                             "kwargs": {"base_url": "http://judge:8000/v1"}}])
     result = rewards.score(images, prompts, {"text": targets})
-    result.components["ocr"], result.total, result.metrics()
+    result.components["ocr"], result.total, result.errors, result.metrics()
 
 or in one call, ``score_images(specs, images, prompts, metadata)``.
 
-Failures are never a score. A reward that raises fails the batch with a
-:class:`~grouprl.rewards.RewardError` naming it and the number of rows, unless its
-spec says ``on_error: none``: its rows are then None, the error is kept in
-``result.errors`` and logged. A wrong number of values, a non-number or a NaN is a bug
-in the reward and always raises. As on the text side (:class:`grouprl.rewards.RewardSet`),
-``total[i]`` is the weighted sum of the rewards that apply to row ``i``, and a row no
-reward applies to is an error, or None (unscored, never 0) with ``allow_unscored``.
-
-The registry is separate from the text rewards' (the two contracts differ); loading
-from a file or module reuses the text registry's loader, so a file named by both shares
-one module object.
+The rewards here are registered by name in the core's image reward registry
+(:data:`grouprl.rewards.IMAGE_REWARDS`) by the diffusion plugin
+(:mod:`grouprl.domains.diffusion.plugin`): ``ocr``, ``vlm_judge``, ``image_brightness``,
+``shapes``. Any other function is referenced as ``path/to/file.py:function`` or
+``module:function``, or registered with :func:`register_image_reward`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
-import functools
-import inspect
 import io
-import logging
-import math
 import os
 import re
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from grouprl.rewards import IMAGE_REWARDS, ImageRewardSet, RewardError, RewardResult
+# Public here too, as before the image contract moved to the core.
+from grouprl.rewards import ImageRewardSpec, register_image_reward  # noqa: F401
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, UnusableReply, excerpt
-from grouprl.rewards.contract import RewardError, RewardResult, RewardSpec, reward_keys
-from grouprl.rewards.registry import RewardLoadError, _load_from_file, _load_from_module, _qualified_name
+from grouprl.rewards.registry import get_reward, registered_rewards
 
-logger = logging.getLogger(__name__)
-
-ImageRewardFn = Callable[..., Any]
-
-# Keyword names the contract itself uses; a metadata column or option by these names would be ambiguous.
-_RESERVED = ("images", "prompts")
-ON_ERROR = ("raise", "none")
-
-_IMAGE_REGISTRY: dict[str, ImageRewardFn] = {}
+# ---------------------------------------------------------------------------- the core's image rewards, by their names here
 
 
-# ---------------------------------------------------------------------------- registry
-
-
-def register_image_reward(name: str) -> Callable[[ImageRewardFn], ImageRewardFn]:
-    """Decorator registering an image reward under ``name`` (returns the function unchanged).
-
-    The same rules as the text rewards' :func:`~grouprl.rewards.register_reward`: no ``:``
-    (reserved for ``file.py:function``) or ``@`` (the ``name@i`` keys of a name used twice
-    in one set); re-registering the same function (a module reloaded) is allowed, another
-    function under a taken name is not.
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"image reward name must be a non-empty string, got {name!r}")
-    if ":" in name or "@" in name:
-        raise ValueError(f"image reward name {name!r} may not contain ':' or '@'")
-
-    def decorate(fn: ImageRewardFn) -> ImageRewardFn:
-        if not callable(fn):
-            raise TypeError(f"register_image_reward({name!r}) needs a callable, got {type(fn).__name__}")
-        existing = _IMAGE_REGISTRY.get(name)
-        if existing is not None and _qualified_name(existing) != _qualified_name(fn):
-            raise ValueError(
-                f"image reward name {name!r} is already registered to {_qualified_name(existing)}; "
-                f"cannot register {_qualified_name(fn)} under it"
-            )
-        _IMAGE_REGISTRY[name] = fn
-        return fn
-
-    return decorate
+def get_image_reward(reference: str) -> Any:
+    """The image reward for a registered name, ``path/to/file.py:function`` or ``module:function``
+    (:func:`grouprl.rewards.get_reward` on the image registry)."""
+    return get_reward(reference, IMAGE_REWARDS)
 
 
 def list_image_rewards() -> list[str]:
-    """The registered image reward names, sorted."""
-    return sorted(_IMAGE_REGISTRY)
-
-
-def get_image_reward(name_or_path: str) -> ImageRewardFn:
-    """The image reward for a registered name, ``path/to/file.py:function`` or ``module:function``.
-
-    Raises :class:`~grouprl.rewards.RewardLoadError` naming the reference when the name
-    is unknown, the file or module is missing, or it has no such function.
-    """
-    if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise RewardLoadError(f"an image reward reference must be a non-empty string, got {name_or_path!r}")
-    ref = name_or_path.strip()
-    if ref in _IMAGE_REGISTRY:
-        return _IMAGE_REGISTRY[ref]
-    if ":" in ref:
-        # rpartition: the function name never holds ':', a Windows drive letter may.
-        source, _, function = ref.rpartition(":")
-        if not function:
-            raise RewardLoadError(f"image reward {ref!r} names no function after ':'")
-        try:
-            if source.endswith(".py"):
-                return _load_from_file(source, function)
-            return _load_from_module(source, function)
-        except RewardLoadError as exc:
-            raise RewardLoadError(f"image reward {ref!r}: {exc}") from exc
-    if ref.endswith(".py"):
-        raise RewardLoadError(f"image reward {ref!r} names a file but no function; write it as {ref}:function_name")
-    raise RewardLoadError(
-        f"unknown image reward {ref!r}. Known image rewards: {', '.join(list_image_rewards()) or '(none)'}; "
-        "or reference a function as path/to/file.py:function (text rewards such as 'accuracy' are a "
-        "different contract and are not image rewards)"
-    )
-
-
-# ---------------------------------------------------------------------------- specs
-
-
-@dataclass
-class ImageRewardSpec:
-    """One image reward of a set, as written in config.
-
-    ``name``, ``weight`` and ``kwargs`` as in :class:`~grouprl.rewards.RewardSpec` (and
-    checked by it); ``kwargs`` are bound to the function when it is loaded.
-    ``on_error``: ``raise`` (default: a reward that raises fails the batch) or ``none``
-    (its rows become None for that batch; the error is recorded and logged), for a
-    remote judge whose outages should cost rows rather than the run.
-    """
-
-    name: str
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    on_error: str = "raise"
-
-    def __post_init__(self) -> None:
-        checked = RewardSpec(self.name, self.weight, self.kwargs)  # the text side's checks and messages
-        self.weight, self.kwargs = checked.weight, checked.kwargs
-        if self.on_error not in ON_ERROR:
-            raise RewardLoadError(
-                f"image reward {self.name!r}: on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}"
-            )
-
-    @classmethod
-    def coerce(cls, spec: Any) -> "ImageRewardSpec":
-        """A spec from itself, a reference string, a mapping {name, weight, kwargs, on_error}, or an
-        object with those attributes (a :class:`~grouprl.rewards.RewardSpec`, the config's
-        ``RewardFunctionConfig``; ``on_error`` is read when the object has it)."""
-        if isinstance(spec, ImageRewardSpec):
-            return spec
-        if isinstance(spec, str):
-            return cls(spec)
-        if isinstance(spec, Mapping):
-            unknown = sorted(set(spec) - {"name", "weight", "kwargs", "on_error"})
-            if unknown:
-                raise RewardLoadError(
-                    f"image reward spec {dict(spec)!r} has unknown keys {unknown}; "
-                    "allowed: name, weight, kwargs, on_error"
-                )
-            if "name" not in spec:
-                raise RewardLoadError(f"image reward spec {dict(spec)!r} has no 'name'")
-            return cls(spec["name"], spec.get("weight", 1.0), spec.get("kwargs") or {}, spec.get("on_error", "raise"))
-        if hasattr(spec, "name") and hasattr(spec, "weight"):
-            return cls(spec.name, spec.weight, getattr(spec, "kwargs", None) or {}, getattr(spec, "on_error", "raise"))
-        raise RewardLoadError(
-            f"an image reward spec must be a name, a mapping or a spec object, got {type(spec).__name__}"
-        )
-
-
-@dataclass(frozen=True)
-class ImageReward:
-    """A loaded image reward: its key in results, the function (options bound), weight and failure policy."""
-
-    key: str
-    fn: ImageRewardFn
-    weight: float = 1.0
-    on_error: str = "raise"
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return dict(self.fn.keywords) if isinstance(self.fn, functools.partial) else {}
-
-
-@dataclass
-class ImageRewardResult(RewardResult):
-    """:class:`~grouprl.rewards.RewardResult` plus ``errors``: key -> why, for the rewards that
-    failed with ``on_error: none`` (their rows are None in ``components``)."""
-
-    errors: dict[str, str] = field(default_factory=dict)
-
-    def metrics(self) -> dict[str, float]:
-        """The text side's metrics, plus ``rewards/{key}/failed`` (1.0 when it failed this batch) for every key."""
-        out = super().metrics()
-        for key in self.components:
-            out[f"rewards/{key}/failed"] = 1.0 if key in self.errors else 0.0
-        return out
-
-
-# ---------------------------------------------------------------------------- scoring
-
-
-class ImageRewardSet:
-    """Several image rewards with weights; :meth:`ascore` / :meth:`score` run them concurrently on a batch."""
-
-    def __init__(self, rewards: Sequence[ImageReward]):
-        if not rewards:
-            raise RewardLoadError("an image reward set needs at least one reward")
-        keys = [r.key for r in rewards]
-        if len(set(keys)) != len(keys):
-            raise RewardLoadError(f"image reward keys must be unique, got {keys}")
-        self.rewards = list(rewards)
-
-    @classmethod
-    def from_specs(cls, specs: Iterable[Any]) -> "ImageRewardSet":
-        """Load every spec (see :meth:`ImageRewardSpec.coerce`; a plain function is keyed by its ``__name__``).
-
-        A name used more than once gets ``name@i`` for every use, ``i`` its position in ``specs``.
-        Options are checked against the function's parameters now, not at the first batch.
-        """
-        loaded: list[tuple[str, ImageRewardFn, float, str]] = []
-        for item in specs:
-            if callable(item) and not isinstance(item, (str, Mapping)) and not hasattr(item, "weight"):
-                name = getattr(item, "__name__", type(item).__name__)
-                _check_signature(name, item, {})
-                loaded.append((name, item, 1.0, "raise"))
-                continue
-            spec = ImageRewardSpec.coerce(item)
-            fn = get_image_reward(spec.name)
-            _check_signature(spec.name, fn, spec.kwargs)
-            bound = functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
-            loaded.append((spec.name.strip(), bound, spec.weight, spec.on_error))
-        keys = reward_keys([name for name, *_ in loaded])
-        return cls([ImageReward(key, fn, weight, on_error) for key, (_, fn, weight, on_error) in zip(keys, loaded)])
-
-    @property
-    def keys(self) -> list[str]:
-        return [r.key for r in self.rewards]
-
-    @property
-    def weights(self) -> dict[str, float]:
-        return {r.key: r.weight for r in self.rewards}
-
-    async def ascore(
-        self, images: Sequence[Any], prompts: Sequence[str], metadata: Mapping[str, Sequence[Any]] | None = None,
-        *, allow_unscored: bool = False,
-    ) -> ImageRewardResult:
-        """Score a batch on the caller's event loop: async rewards awaited, sync ones in worker threads, all at once."""
-        images, columns = self._check_inputs(images, prompts, metadata)
-        n = len(images)
-        if not n:
-            return ImageRewardResult({k: [] for k in self.keys}, [], self.weights)
-        # return_exceptions: every reward finishes (no orphaned threads or requests), and
-        # errors are then reported in spec order under the right reward's name.
-        outcomes = await asyncio.gather(
-            *(_call(r.fn, images, prompts, columns) for r in self.rewards), return_exceptions=True
-        )
-        return self._combine(outcomes, n, allow_unscored)
-
-    def score(
-        self, images: Sequence[Any], prompts: Sequence[str], metadata: Mapping[str, Sequence[Any]] | None = None,
-        *, allow_unscored: bool = False,
-    ) -> ImageRewardResult:
-        """:meth:`ascore` for plain code. Inside a running event loop (where ``asyncio.run`` refuses
-        and blocking would deadlock) it runs on a fresh loop in a worker thread."""
-        scoring = self.ascore(images, prompts, metadata, allow_unscored=allow_unscored)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(scoring)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-image-rewards") as pool:
-            return pool.submit(asyncio.run, scoring).result()
-
-    def _check_inputs(self, images, prompts, metadata) -> tuple[list[Any], dict[str, list[Any]]]:
-        n = len(images)
-        if len(prompts) != n:
-            raise ValueError(f"got {len(prompts)} prompts for {n} images; pass one prompt per image")
-        checked_images = [_as_rgb(image, row) for row, image in enumerate(images)]
-        columns: dict[str, list[Any]] = {}
-        for name, values in (metadata or {}).items():
-            if name in _RESERVED:
-                raise ValueError(f"metadata column {name!r} clashes with the image reward argument of that name")
-            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-                raise ValueError(f"metadata column {name!r} must be a per-row list, got {type(values).__name__}")
-            if len(values) != n:
-                raise ValueError(f"metadata column {name!r} has {len(values)} values for {n} images")
-            columns[name] = list(values)
-        for reward in self.rewards:
-            clash = sorted(set(reward.options) & set(columns))
-            if clash:
-                raise RewardError(
-                    f"image reward {reward.key!r}: option(s) {clash} have the same name as metadata column(s); "
-                    "the column would silently override the option. Rename the column.",
-                    reward=reward.key,
-                )
-        return checked_images, columns
-
-    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool) -> ImageRewardResult:
-        components: dict[str, list[float | None]] = {}
-        errors: dict[str, str] = {}
-        for reward, raw in zip(self.rewards, outcomes):
-            if isinstance(raw, Exception):
-                error = _wrap(reward.key, raw, n)
-                if reward.on_error != "none":
-                    raise error from raw
-                logger.warning("%s; its rows are left unscored (on_error=none)", error)
-                errors[reward.key] = str(error)
-                components[reward.key] = [None] * n
-                continue
-            if isinstance(raw, BaseException):  # KeyboardInterrupt, cancellation: not the reward's fault
-                raise raw
-            components[reward.key] = _validate(reward.key, raw, n)
-        total: list[float | None] = []
-        for row in range(n):
-            applicable = [(r.weight, components[r.key][row])
-                          for r in self.rewards if components[r.key][row] is not None]
-            if applicable:
-                total.append(float(sum(w * v for w, v in applicable)))
-            elif allow_unscored:
-                total.append(None)  # unscored: the caller leaves the row out; never a 0
-            else:
-                failed = f"; failed: {', '.join(f'{k} ({e})' for k, e in errors.items())}" if errors else ""
-                raise RewardError(
-                    f"row {row}: every image reward returned None ({', '.join(self.keys)}){failed}; "
-                    "at least one reward must apply to each row (or score with allow_unscored=True)",
-                    row=row,
-                )
-        return ImageRewardResult(components=components, total=total, weights=self.weights, errors=errors)
-
-    def __repr__(self) -> str:
-        return f"ImageRewardSet({', '.join(f'{r.key}*{r.weight:g}' for r in self.rewards)})"
+    """The registered image reward names, those of every installed plugin included, sorted."""
+    return registered_rewards(IMAGE_REWARDS)
 
 
 def score_images(
     specs: ImageRewardSet | Iterable[Any], images: Sequence[Any], prompts: Sequence[str],
     metadata: Mapping[str, Sequence[Any]] | None = None, *, allow_unscored: bool = False,
-) -> ImageRewardResult:
+) -> RewardResult:
     """Score a batch with ``specs`` (an :class:`ImageRewardSet`, or specs to load): per-reward values and the total.
 
     ``result.components[key][i]`` is reward ``key`` on row ``i`` (None: not applicable);
@@ -365,93 +68,10 @@ def score_images(
 async def ascore_images(
     specs: ImageRewardSet | Iterable[Any], images: Sequence[Any], prompts: Sequence[str],
     metadata: Mapping[str, Sequence[Any]] | None = None, *, allow_unscored: bool = False,
-) -> ImageRewardResult:
+) -> RewardResult:
     """:func:`score_images` on the caller's event loop."""
     rewards = specs if isinstance(specs, ImageRewardSet) else ImageRewardSet.from_specs(specs)
     return await rewards.ascore(images, prompts, metadata, allow_unscored=allow_unscored)
-
-
-async def _call(fn: ImageRewardFn, images: list[Any], prompts: list[str], columns: dict[str, list[Any]]) -> Any:
-    # Fresh list copies: a reward that mutates its inputs must not change what the next one sees.
-    images, prompts, kwargs = list(images), list(prompts), {k: list(v) for k, v in columns.items()}
-    if _is_async(fn):
-        return await fn(images, prompts, **kwargs)
-    out = await asyncio.to_thread(fn, images, prompts, **kwargs)
-    if inspect.isawaitable(out):  # a plain callable handing back a coroutine
-        out = await out
-    return out
-
-
-def _is_async(fn: Any) -> bool:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _as_rgb(image: Any, row: int) -> Any:
-    from PIL import Image
-
-    if not isinstance(image, Image.Image):
-        raise TypeError(f"images[{row}] must be a PIL.Image, got {type(image).__name__}")
-    # load() now: lazily decoded images read by several reward threads at once would race.
-    image.load()
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _check_signature(name: str, fn: ImageRewardFn, options: Mapping[str, Any]) -> None:
-    """Fail at load, not at the first batch, on functions that break the contract or on mistyped options."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return  # some C callables have no signature; their errors surface when called
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        raise RewardLoadError(
-            f"image reward {name!r} must accept **metadata: it is called with every metadata column, "
-            "including ones it does not use"
-        )
-    named = {
-        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    } - set(_RESERVED)
-    for option in options:
-        if option in _RESERVED:
-            raise RewardLoadError(f"image reward {name!r}: {option!r} cannot be an option")
-        # An option the function does not name would vanish into **metadata: a typo would be ignored.
-        if option not in named:
-            raise RewardLoadError(
-                f"image reward {name!r} has no option {option!r}; its named parameters are: "
-                f"{', '.join(sorted(named)) or '(none)'}"
-            )
-
-
-def _wrap(key: str, exc: Exception, n: int) -> RewardError:
-    return RewardError(
-        f"image reward {key!r} raised {type(exc).__name__} on a batch of {n} row(s): {exc}",
-        reward=key, row=getattr(exc, "row", None),
-    )
-
-
-def _validate(key: str, raw: Any, n: int) -> list[float | None]:
-    if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):
-        raise RewardError(f"image reward {key!r} returned a {type(raw).__name__}; "
-                          f"expected a list of {n} floats or None", reward=key)
-    values = list(raw)
-    if len(values) != n:
-        raise RewardError(f"image reward {key!r} returned {len(values)} values for {n} images", reward=key)
-    out: list[float | None] = []
-    for row, v in enumerate(values):
-        if v is None:
-            out.append(None)
-            continue
-        # numpy scalars and 0-d tensors are fine; "0.5" is a bug in the reward, not a score to parse.
-        if isinstance(v, (str, bytes)) or not hasattr(type(v), "__float__"):
-            raise RewardError(f"image reward {key!r} returned a {type(v).__name__} ({v!r}) at row {row}; "
-                              "expected a float or None", reward=key, row=row)
-        f = float(v)
-        if not math.isfinite(f):
-            raise RewardError(f"image reward {key!r} returned {f} at row {row}; a reward must be a finite number "
-                              "or None", reward=key, row=row)
-        out.append(f)
-    return out
 
 
 # ---------------------------------------------------------------------------- text targets and edit distance
@@ -562,7 +182,6 @@ def read_text(image: Any) -> str:
     return "".join(entry[1] for entry in result or [])
 
 
-@register_image_reward("ocr")
 def ocr_reward(
     images: Sequence[Any], prompts: Sequence[str], *, text: Sequence[str | None] | None = None,
     substring_match: bool = True, **metadata: Any,
@@ -584,7 +203,6 @@ def ocr_reward(
 # ---------------------------------------------------------------------------- built-in: image_brightness
 
 
-@register_image_reward("image_brightness")
 def image_brightness_reward(images: Sequence[Any], prompts: Sequence[str], **metadata: Any) -> list[float]:
     """The mean pixel value in [0, 1] (over R, G, B and every pixel; 0 black, 1 white).
 
@@ -669,7 +287,6 @@ def judge_messages(data_url: str, text: str) -> list[dict[str, Any]]:
     ]}]
 
 
-@register_image_reward("vlm_judge")
 async def vlm_judge_reward(
     images: Sequence[Any], prompts: Sequence[str], *, base_url: str | None = None, model: str = "",
     mode: str = "unified_reward", api_key: str | None = None, text: Sequence[str | None] | None = None,
@@ -753,10 +370,9 @@ async def vlm_judge_reward(
         await endpoint.aclose()
 
 
-@register_image_reward("shapes")
 def shapes_task_reward(images: list[Any], prompts: list[str], **metadata: Any) -> list[float]:
     """The synthetic shapes task's rule reward (``grouprl.domains.diffusion.shapes.shapes_reward``): colour,
-    position and count read from the pixels, in [0, 1]. Registered here so configs can name it."""
+    position and count read from the pixels, in [0, 1]; registered as ``shapes`` so configs can name it."""
     from grouprl.domains.diffusion.shapes import shapes_reward
 
     return shapes_reward(images, prompts, **metadata)

@@ -91,6 +91,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grouprl.domains.radiology.server import radvlm as radvlm_workers
+from grouprl.rewards.contract import weighted_total
 
 logger = logging.getLogger(__name__)
 
@@ -373,17 +374,11 @@ def score_predict(request: PredictRequest, *, components: Mapping[str, Any], ext
     for name in request.components:
         predictions[name] = format_scores if name == FORMAT else values[name]
     used = {name: float(weights.get(name, 1.0)) for name in request.components}
-    final = []
-    for i in range(n):
-        total = 0.0
-        for name in request.components:
-            if name == FORMAT:
-                if request.type != "free_form":  # EditGRPO adds no format term to free-form reports
-                    total += format_scores[i]
-            else:
-                total += used[name] * values[name][i]
-        final.append(total)
-    predictions["final_scores"] = final
+    # The core's weighted sum (every value here is a number, so no row is unscored). EditGRPO
+    # adds no format term to free-form reports; a composite left with no term is 0.
+    summed = {name: predictions[name] for name in request.components
+              if not (name == FORMAT and request.type == "free_form")}
+    predictions["final_scores"] = weighted_total(summed, used) if summed else [0.0] * n
     predictions["format_ok"] = ok
     predictions["format_scores"] = format_scores
     if request.editgrpo_keys:

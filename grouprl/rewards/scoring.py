@@ -1,0 +1,357 @@
+"""Scoring a batch with several rewards: one implementation for both contracts.
+
+:class:`RewardSet` holds the loaded rewards of one contract (:mod:`grouprl.rewards.contract`)
+with their weights; :meth:`RewardSet.score` calls each on the batch, checks what it
+returned and combines the components into the weighted total::
+
+    rewards = RewardSet.from_specs([RewardSpec("format", 0.2), RewardSpec("accuracy")])
+    result = rewards.score(prompts, completions, {"answer": answers})
+
+    rewards = ImageRewardSet.from_specs([{"name": "ocr"}, {"name": "vlm_judge", "weight": 0.5,
+                                                            "kwargs": {"base_url": "http://judge:8000/v1"}}])
+    result = rewards.score(images, prompts, {"text": targets})
+
+    result.total, result.components, result.errors, result.metrics()
+
+Async rewards of a set run concurrently; plain functions run in order on the caller's
+thread (text) or in worker threads alongside the others (images, see
+:attr:`RewardContract.threads`). Failures are never a score: a reward that raises fails
+the batch with a :class:`RewardError` naming it and the number of rows, unless its spec
+says ``on_error: none`` (its rows are then None, the error is kept in
+``result.errors`` and logged). A wrong number of values, a non-number or a NaN is a bug
+in the reward and always raises. A row no reward applies to is an error, or None
+(unscored, never 0) with ``allow_unscored``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+import math
+from typing import Any, Awaitable, Callable, ClassVar, Iterable, Mapping, Sequence
+
+from grouprl.rewards.contract import (
+    IMAGE,
+    TEXT,
+    RewardComponent,
+    RewardContract,
+    RewardError,
+    RewardResult,
+    RewardSpec,
+    is_spec_object,
+    reward_keys,
+    weighted_total,
+)
+from grouprl.rewards.registry import RewardLoadError, get_reward
+
+logger = logging.getLogger(__name__)
+
+Columns = Mapping[str, Sequence[Any]]
+
+
+class RewardSet:
+    """Several rewards of one contract combined with weights; :meth:`score` runs them on a batch.
+
+    The contract is the class's (:data:`~grouprl.rewards.contract.TEXT` here,
+    :data:`~grouprl.rewards.contract.IMAGE` for :class:`ImageRewardSet`).
+    """
+
+    contract: ClassVar[RewardContract] = TEXT
+
+    def __init__(self, components: Sequence[RewardComponent]):
+        kind = self.contract.kind
+        if not components:
+            raise RewardLoadError(f"{kind} set needs at least one reward")
+        keys = [c.key for c in components]
+        if len(set(keys)) != len(keys):
+            raise RewardLoadError(f"{kind} keys must be unique, got {keys}")
+        self.components = list(components)
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[Any]) -> "RewardSet":
+        """Load every spec: a :class:`RewardSpec`, a reference string, a config mapping
+        {name, weight, kwargs, on_error}, a config object with ``name`` and ``weight``, or a function.
+
+        Keys are the spec names; a name used more than once gets ``name@i`` for every use,
+        ``i`` being its position in ``specs``. A plain function is keyed by its ``__name__``.
+        Options are checked against the function's parameters now, not at the first batch.
+        """
+        contract = cls.contract
+        loaded: list[tuple[str, Callable[..., Any], float, RewardSpec | None]] = []
+        for item in specs:
+            if callable(item) and not isinstance(item, (str, Mapping, RewardSpec)) and not is_spec_object(item):
+                name = getattr(item, "__name__", type(item).__name__)
+                _check_signature(contract, name, item, {})
+                loaded.append((name, item, 1.0, None))
+                continue
+            spec = contract.spec.coerce(item)
+            fn = get_reward(spec.name, contract.registry)
+            _check_signature(contract, spec.name, fn, spec.kwargs)
+            bound = functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
+            loaded.append((spec.name.strip(), bound, spec.weight, spec))
+        keys = reward_keys([name for name, *_ in loaded])
+        return cls([RewardComponent(key, fn, weight, spec, spec.on_error if spec else "raise")
+                    for key, (_, fn, weight, spec) in zip(keys, loaded)])
+
+    @property
+    def keys(self) -> list[str]:
+        return [c.key for c in self.components]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {c.key: c.weight for c in self.components}
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
+              allow_unscored: bool = False) -> RewardResult:
+        """Score a batch of completions (``columns``: per-row lists passed by keyword).
+
+        Safe to call from inside a running event loop (a notebook, an async server): the
+        async rewards then run on a fresh loop in a worker thread, so they must not depend
+        on objects bound to the caller's loop. From async code prefer :meth:`ascore`.
+
+        A row to which no reward applies is an error, unless ``allow_unscored``: its
+        total is then None, for the caller to leave the row out (a trainer does, and
+        counts it).
+        """
+        return self._score((prompts, completions), columns, allow_unscored)
+
+    async def ascore(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
+                     allow_unscored: bool = False) -> RewardResult:
+        """:meth:`score` for async callers: async rewards run on the caller's event loop."""
+        return await self._ascore((prompts, completions), columns, allow_unscored)
+
+    # ------------------------------------------------------------ the one implementation
+
+    def _score(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
+               allow_unscored: bool) -> RewardResult:
+        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
+        if pending:
+            for (i, _), value in zip(pending, _run_concurrently([aw for _, aw in pending])):
+                outcomes[i] = value
+        return self._combine(outcomes, n, allow_unscored)
+
+    async def _ascore(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
+                      allow_unscored: bool) -> RewardResult:
+        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
+        if pending:
+            for (i, _), value in zip(pending, await _gather([aw for _, aw in pending])):
+                outcomes[i] = value
+        return self._combine(outcomes, n, allow_unscored)
+
+    def _check_inputs(self, inputs, columns) -> tuple[list[list[Any]], dict[str, list[Any]]]:
+        """The inputs as lists (the rows input through the contract's row check) and the checked columns."""
+        contract = self.contract
+        rows_at = contract.inputs.index(contract.rows)
+        n = len(inputs[rows_at])
+        for name, values in zip(contract.inputs, inputs):
+            if len(values) != n:
+                raise ValueError(f"got {len(values)} {name} for {n} {contract.rows}; "
+                                 f"pass one {_singular(name)} per {_singular(contract.rows)}")
+        checked_inputs = [list(values) for values in inputs]
+        if contract.check_row is not None:
+            checked_inputs[rows_at] = [contract.check_row(value, row) for row, value in enumerate(inputs[rows_at])]
+        checked: dict[str, list[Any]] = {}
+        for name, values in (columns or {}).items():
+            if name in contract.inputs:
+                raise ValueError(f"{contract.columns} {name!r} clashes with the {contract.kind} argument of that name")
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+                raise ValueError(f"{contract.columns} {name!r} must be a per-row list, got {type(values).__name__}")
+            if len(values) != n:
+                raise ValueError(f"{contract.columns} {name!r} has {len(values)} values for {n} {contract.rows}")
+            checked[name] = list(values)
+        for comp in self.components:
+            clash = sorted(set(comp.options) & set(checked))
+            if clash:
+                raise RewardError(
+                    f"{contract.kind} {comp.key!r}: option(s) {clash} have the same name as {contract.columns}(s); "
+                    "the column would silently override the option. Rename the column.",
+                    reward=comp.key,
+                )
+        return checked_inputs, checked
+
+    def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]],
+               ) -> tuple[int, list[Any], list[tuple[int, Awaitable[Any]]]]:
+        """Call every reward: the number of rows, the outcomes (values or exceptions) of the rewards
+        that ran in this thread, and (index, awaitable) for the ones still to run concurrently."""
+        n = len(inputs[self.contract.inputs.index(self.contract.rows)])
+        if not n:
+            return 0, [], []  # an empty batch calls no reward
+        outcomes: list[Any] = [None] * len(self.components)
+        pending: list[tuple[int, Awaitable[Any]]] = []
+        for i, comp in enumerate(self.components):
+            # Fresh list copies: a reward that mutates its inputs must not change what the next one sees.
+            args = [list(values) for values in inputs]
+            kwargs = {k: list(v) for k, v in columns.items()}
+            if self.contract.threads and not _is_async(comp.fn):
+                pending.append((i, _in_thread(comp.fn, args, kwargs)))
+                continue
+            try:
+                out = comp.fn(*args, **kwargs)
+            except Exception as exc:
+                if comp.on_error != "none":
+                    # The batch fails anyway: do not wait for the other rewards' (maybe remote) calls.
+                    _close(aw for _, aw in pending)
+                    raise _wrap(self.contract, comp.key, exc, n) from exc
+                out = exc
+            if inspect.isawaitable(out):
+                pending.append((i, out))
+            else:
+                outcomes[i] = out
+        return n, outcomes, pending
+
+    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool) -> RewardResult:
+        contract = self.contract
+        if not n:
+            return RewardResult(components={k: [] for k in self.keys}, total=[], weights=self.weights)
+        components: dict[str, list[float | None]] = {}
+        errors: dict[str, str] = {}
+        for comp, raw in zip(self.components, outcomes):
+            if isinstance(raw, Exception):
+                error = _wrap(contract, comp.key, raw, n)
+                if comp.on_error != "none":
+                    raise error from raw
+                logger.warning("%s; its rows are left unscored (on_error=none)", error)
+                errors[comp.key] = str(error)
+                components[comp.key] = [None] * n
+                continue
+            if isinstance(raw, BaseException):  # KeyboardInterrupt, SystemExit, cancellation: not the reward's fault
+                raise raw
+            components[comp.key] = _validate(contract, comp.key, raw, n)
+        total = weighted_total(components, self.weights)
+        if not allow_unscored and None in total:
+            row = total.index(None)
+            failed = f"; failed: {', '.join(f'{k} ({e})' for k, e in errors.items())}" if errors else ""
+            raise RewardError(
+                f"row {row}: every {contract.kind} returned None ({', '.join(self.keys)}){failed}; "
+                "at least one reward must apply to each row (or score with allow_unscored=True)",
+                row=row,
+            )
+        return RewardResult(components=components, total=total, weights=self.weights, errors=errors)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{c.key}*{c.weight:g}" for c in self.components)
+        return f"{type(self).__name__}({parts})"
+
+
+class ImageRewardSet(RewardSet):
+    """A :class:`RewardSet` of image rewards: ``score(images, prompts, metadata)``; every reward of
+    the set runs at once (async ones on the event loop, plain functions in worker threads)."""
+
+    contract: ClassVar[RewardContract] = IMAGE
+
+    def score(self, images: Sequence[Any], prompts: Sequence[str], metadata: Columns | None = None, *,
+              allow_unscored: bool = False) -> RewardResult:
+        """Score a batch of images (``metadata``: per-row lists passed by keyword); see :meth:`RewardSet.score`."""
+        return self._score((images, prompts), metadata, allow_unscored)
+
+    async def ascore(self, images: Sequence[Any], prompts: Sequence[str], metadata: Columns | None = None, *,
+                     allow_unscored: bool = False) -> RewardResult:
+        """:meth:`score` for async callers: async rewards run on the caller's event loop."""
+        return await self._ascore((images, prompts), metadata, allow_unscored)
+
+
+def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
+    """Fail at load, not at the first batch, on functions that break the contract or on mistyped options."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # some C callables have no signature; their errors surface when called
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise RewardLoadError(
+            f"{contract.kind} {name!r} must accept {contract.var_keyword}: it is called with every "
+            f"{contract.columns}, including ones it does not use"
+        )
+    named = {
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    } - set(contract.inputs)
+    for option in options:
+        if option in contract.inputs:
+            raise RewardLoadError(f"{contract.kind} {name!r}: {option!r} cannot be an option")
+        # An option the function does not name would vanish into **kwargs: a typo would be ignored.
+        if option not in named:
+            raise RewardLoadError(
+                f"{contract.kind} {name!r} has no option {option!r}; its named parameters are: "
+                f"{', '.join(sorted(named)) or '(none)'}"
+            )
+
+
+def _wrap(contract: RewardContract, key: str, exc: BaseException, n: int) -> RewardError:
+    # Always a new error naming this reward (a RewardError raised inside, a judge's, keeps its row).
+    return RewardError(f"{contract.kind} {key!r} raised {type(exc).__name__}: {exc} (a batch of {n} row(s))",
+                       reward=key, row=getattr(exc, "row", None))
+
+
+def _validate(contract: RewardContract, key: str, raw: Any, n: int) -> list[float | None]:
+    kind, rows = contract.kind, contract.rows
+    if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):
+        raise RewardError(f"{kind} {key!r} returned a {type(raw).__name__}; expected a list of {n} floats or None",
+                          reward=key)
+    values = list(raw)
+    if len(values) != n:
+        raise RewardError(f"{kind} {key!r} returned {len(values)} values for {n} {rows} (expected {n}, "
+                          f"got {len(values)})", reward=key)
+    out: list[float | None] = []
+    for row, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        # Anything float() accepts except text: numpy scalars and 0-d tensors are fine,
+        # "0.5" is a bug in the reward that must not be parsed into a score.
+        if isinstance(v, (str, bytes)) or not hasattr(type(v), "__float__"):
+            raise RewardError(f"{kind} {key!r} returned a {type(v).__name__} ({v!r}) at row {row}; "
+                              "expected a float or None", reward=key, row=row)
+        try:
+            f = float(v)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(f"{kind} {key!r} returned {v!r} at row {row}, which is not a number: {exc}",
+                              reward=key, row=row) from exc
+        if not math.isfinite(f):
+            raise RewardError(f"{kind} {key!r} returned {f} at row {row}; a reward must be a finite number or None",
+                              reward=key, row=row)
+        out.append(f)
+    return out
+
+
+def _singular(plural: str) -> str:
+    return plural[:-1] if plural.endswith("s") else plural
+
+
+def _is_async(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _in_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    out = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(out):  # a plain callable handing back a coroutine
+        out = await out
+    return out
+
+
+async def _gather(awaitables: list[Awaitable[Any]]) -> list[Any]:
+    # return_exceptions: every reward finishes (no orphaned tasks or threads), and errors
+    # are then reported in spec order under the right reward's name.
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+def _run_concurrently(awaitables: list[Awaitable[Any]]) -> list[Any]:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_gather(awaitables))
+    # A loop is already running in this thread (asyncio.run would refuse, and blocking on
+    # it would deadlock): run the rewards on their own loop in a worker thread.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-rewards") as pool:
+        return pool.submit(asyncio.run, _gather(awaitables)).result()
+
+
+def _close(awaitables: Iterable[Awaitable[Any]]) -> None:
+    # Coroutines created but never awaited would warn "never awaited" once scoring aborts.
+    for aw in awaitables:
+        close = getattr(aw, "close", None)
+        if close is not None:
+            close()
