@@ -12,6 +12,10 @@ import torch
 from grouprl.config import config_from_dict, merge_values, write_text_atomic
 from grouprl.trainer.curves import plot_reward_curves
 
+
+def _model_config(model_path: str) -> dict:
+    return {"model_path": model_path, "dtype": "float32"}
+
 # ---------------------------------------------------------------------------- `grouprl demo --guided`
 #
 # Guided-GRPO against GRPO on synthetic arithmetic word problems ("a + b - c" and the
