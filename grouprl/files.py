@@ -16,6 +16,7 @@ or record at fault.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -83,8 +84,9 @@ class AtomicFile:
                 renamed = True
                 fsync_dir(self.path.parent)
         finally:
-            self._file.close()
             if not renamed:
+                with contextlib.suppress(OSError):  # a failed flush fails again on close; the error is already raised
+                    self._file.close()
                 self._tmp.unlink(missing_ok=True)
 
 

@@ -20,6 +20,7 @@ Algorithms (``algorithm.name``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from grouprl.config import (
     ConfigError,
     LoraConfig,
