@@ -99,6 +99,7 @@ def finding_label(name: str) -> str:
 def write_vqa(path: str | Path, n: int, *, seed: int) -> Path:
     """CheXPO-style VQA records (ms-swift format) about ``n`` synthetic studies."""
     from grouprl.domains.radiology.synthetic.cxr import write_dataset
+    from grouprl.files import write_text_atomic
 
     path = Path(path)
     # the studies' images and reports, in LLaVA form, then re-dressed as questions
@@ -117,9 +118,7 @@ def write_vqa(path: str | Path, n: int, *, seed: int) -> Path:
             "reasoning": report,
             "question_type": "findings",
         }) + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(lines))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(lines))
     return path
 
 

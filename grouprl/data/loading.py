@@ -10,7 +10,6 @@ a run. Images are decoded only when a sample is read.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,6 +19,7 @@ from typing import Any, Union
 from grouprl.data.formats import FORMATS, DataError, RecordError, RecordKeys, detect_format, parse_record
 from grouprl.data.images import ImageError, ImageRef, check_image, check_pixel_range, open_image, resolve_image
 from grouprl.data.sample import Sample
+from grouprl.files import RecordsError, read_json_records
 
 logger = logging.getLogger(__name__)
 
@@ -351,40 +351,14 @@ def _iter_records(source: str, split: str) -> Iterator[tuple[int, Any]]:
 
 
 def _read_json(source: str) -> Iterator[tuple[int, Any]]:
+    """(index, record) pairs; a bad record (a line that is not JSON, a value that is not an object) comes as
+    a DataError in its place, so that ``skip_bad_records`` can leave it out and count it."""
     try:
-        with open(source, encoding="utf-8-sig") as f:
-            text = f.read()
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{source}: not UTF-8 text: {exc}") from exc
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{source}: line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
-        yield from enumerate(records)
-        return
-    if stripped.startswith("{") and not source.lower().endswith(".jsonl"):
-        # A .json file holding one object, possibly spread over lines; anything
-        # else starting with "{" is JSON lines under a .json name.
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError:
-            pass
-        else:
-            yield 0, record
-            return
-    index = 0
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield index, json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield index, DataError(
-                f"{source}: line {line_number} (record {index}): invalid JSON: {exc.msg} (column {exc.colno})"
-            )
-        index += 1
+        records = read_json_records(source, keep_bad=True)
+    except RecordsError as exc:
+        raise DataError(str(exc)) from exc
+    for index, record in enumerate(records):
+        yield index, DataError(str(record)) if isinstance(record, RecordsError) else record
 
 
 def _read_parquet(source: str) -> list[dict[str, Any]]:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from grouprl.files import fsync_dir, write_text_atomic
+
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # hidden copies of a step: being written (tmp), moved aside by a re-save (old), being pruned (del)
 HIDDEN_DIR = re.compile(r"^\.global_step_(\d+)\.(tmp|old|del)$")
@@ -122,15 +124,6 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------- durable file operations
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the entries of a directory durable: renames, creations and deletions in it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file under root, then every directory, deepest first."""
     dirs = [root]
@@ -141,14 +134,7 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
     for directory in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        _fsync_dir(directory)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+        fsync_dir(directory)
 
 
 def _remove_tree(path: Path) -> None:
@@ -195,11 +181,11 @@ def recover_interrupted_save(root: Path) -> None:
                 _move(copies.pop("old"), final)
             elif "tmp" in copies and _is_complete(copies["tmp"]):
                 _move(copies.pop("tmp"), final)
-    _fsync_dir(root)  # the restored names are durable before any other copy goes
+    fsync_dir(root)  # the restored names are durable before any other copy goes
     for copies in hidden.values():
         for path in copies.values():
             _remove_tree(path)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -244,8 +230,8 @@ def _write_checkpoint(tmp: Path, state: TrainerState, model, optimizer, schedule
     # one RNG state per process: each draws its own dropout masks and reward noise
     save_state_dict({"processes": rng_states if rng_states is not None else [rng_state()]}, tmp, "rng")
     _fsync_tree(tmp)
-    _write_durably(tmp / COMPLETE_MARK, json.dumps(asdict(state), indent=2))
-    _fsync_dir(tmp)
+    # atomic too: a kill while it is written must not leave a partial mark that reads as complete
+    write_text_atomic(tmp / COMPLETE_MARK, json.dumps(asdict(state), indent=2))
 
 
 def _prune(root: Path, save_limit: int) -> None:
@@ -256,7 +242,7 @@ def _prune(root: Path, save_limit: int) -> None:
         os.replace(path, trash)
         doomed.append(trash)
     if doomed:
-        _fsync_dir(root)
+        fsync_dir(root)
         for trash in doomed:
             _remove_tree(trash)
 
@@ -292,13 +278,10 @@ def save_checkpoint(
     if replacing:
         os.replace(final, aside)
     os.replace(tmp, final)
-    _fsync_dir(root)  # the new copy's name is durable before the old copy is deleted
+    fsync_dir(root)  # the new copy's name is durable before the old copy is deleted
     if replacing:
         _remove_tree(aside)
-    tracker_tmp = root / f".{TRACKER}.tmp"
-    _write_durably(tracker_tmp, str(state.global_step))
-    os.replace(tracker_tmp, root / TRACKER)
-    _fsync_dir(root)
+    write_text_atomic(root / TRACKER, str(state.global_step))
     if save_limit > 0:
         _prune(root, save_limit)
     return final

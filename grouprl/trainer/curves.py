@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from grouprl.files import AtomicFile, read_json_records
 
 
 def plot_reward_curves(curves: dict[str, Path], png: Path, *, ylabel: str = "mean training reward",
@@ -17,8 +18,7 @@ def plot_reward_curves(curves: dict[str, Path], png: Path, *, ylabel: str = "mea
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for label, metrics_file in curves.items():
         steps, means = [], []
-        for line in metrics_file.read_text().splitlines():
-            row = json.loads(line)
+        for row in read_json_records(metrics_file):
             if row.get("reward/mean") is not None:
                 steps.append(row["step"])
                 means.append(row["reward/mean"])
@@ -33,7 +33,6 @@ def plot_reward_curves(curves: dict[str, Path], png: Path, *, ylabel: str = "mea
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with AtomicFile(png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(png)

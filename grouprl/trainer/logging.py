@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from grouprl.files import AtomicFile
 
 # What the console line shows, in order; everything is still written to the files.
 CONSOLE_KEYS = (
@@ -53,40 +53,34 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
 
     Records without a step are kept. A last line that is not valid JSON was cut by a kill and is
     dropped; an unparsable line elsewhere is not ours to judge and is kept. The file is rewritten
-    through a temporary file in the same directory and renamed over it, so a kill now loses nothing;
-    a file with nothing to change is left untouched.
+    atomically (:class:`~grouprl.files.AtomicFile`), so a kill now loses nothing; a file with
+    nothing to change is left untouched.
     """
     if not path.exists():
         return 0
     dropped, changed = 0, False
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
-            unparsable = None  # held back until a next line shows it was not the last
-            for line in src:
-                if unparsable is not None:
-                    dst.write(unparsable)
-                    unparsable = None
-                if not line.endswith(b"\n"):  # only the last line can lack it: appends would glue onto it
-                    line, changed = line + b"\n", True
-                try:
-                    step = _record_step(line)
-                except ValueError:
-                    unparsable = line
-                    continue
-                if step is not None and step > max_step:
-                    dropped += 1
-                else:
-                    dst.write(line)
-            if unparsable is not None:  # the last line, torn by the kill
+    rewrite = AtomicFile(path, "wb")
+    with rewrite as dst, open(path, "rb") as src:  # src is closed before the rename (Windows needs that)
+        unparsable = None  # held back until a next line shows it was not the last
+        for line in src:
+            if unparsable is not None:
+                dst.write(unparsable)
+                unparsable = None
+            if not line.endswith(b"\n"):  # only the last line can lack it: appends would glue onto it
+                line, changed = line + b"\n", True
+            try:
+                step = _record_step(line)
+            except ValueError:
+                unparsable = line
+                continue
+            if step is not None and step > max_step:
                 dropped += 1
-            dst.flush()
-            os.fsync(dst.fileno())
-        if dropped or changed:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+            else:
+                dst.write(line)
+        if unparsable is not None:  # the last line, torn by the kill
+            dropped += 1
+        if not (dropped or changed):
+            rewrite.discard()
     return dropped
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from grouprl.files import write_text_atomic
+
 KINDS = ("mean", "sum", "max", "min", "moments")
 
 
@@ -208,7 +210,5 @@ class SchemaFile:
             return
         new = {f"{prefix}{key}": kind for key, kind in metrics.schema if f"{prefix}{key}" not in self.kinds}
         if new:
-            from grouprl.config import write_text_atomic
-
             self.kinds.update(new)
             write_text_atomic(self.path, json.dumps(dict(sorted(self.kinds.items())), indent=1))

@@ -31,8 +31,8 @@ CORE_LAYERS = [
     ["grouprl.trainer"],
     ["grouprl.cli", "grouprl.__main__", "grouprl"],
 ]
-# config's cross-field checks read registries that live further down (``validate``)
-REGISTRY_LOOKUPS = {"grouprl.config": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier"}}
+# config's cross-field checks read registries that live further down (``checks.validate``)
+REGISTRY_LOOKUPS = {"grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier"}}
 
 
 def module_name(path: Path) -> str:

@@ -148,10 +148,10 @@ def test_bad_records_are_named(tmp_path, record, message):
 
 def test_bad_files(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"id": 1, "response": "a", "answer": "a"}\n{"id": 2,\n')
-    with pytest.raises(EvalDataError, match="line 2 \\(record 1\\) is not valid JSON"):
+    with pytest.raises(EvalDataError, match="broken.jsonl: line 2 \\(record 1\\): invalid JSON"):
         read_predictions(tmp_path / "broken.jsonl")
     (tmp_path / "broken.json").write_text('[{"id": 1}')
-    with pytest.raises(EvalDataError, match="not valid JSON"):
+    with pytest.raises(EvalDataError, match="broken.json: line 1: invalid JSON"):
         read_predictions(tmp_path / "broken.json")
     with pytest.raises(EvalDataError, match="not found"):
         read_predictions(tmp_path / "missing.json")

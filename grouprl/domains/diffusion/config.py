@@ -20,6 +20,7 @@ Algorithms (``algorithm.name``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from grouprl.config import (
     ConfigError,
     LoraConfig,
@@ -27,8 +28,8 @@ from grouprl.config import (
     RewardFunctionConfig,
     RunPaths,
     TrainerConfig,
-    _choices,
     build_config,
+    choices,
     read_config_values,
 )
 
@@ -51,7 +52,7 @@ class FlowDataConfig:
 
 @dataclass
 class FlowAlgorithmConfig:
-    name: str = field(default="flow_grpo", metadata=_choices(*FLOW_ALGORITHMS))
+    name: str = field(default="flow_grpo", metadata=choices(*FLOW_ALGORITHMS))
     # A = (R - mean of the group) / (std + 1e-4): std over the whole batch (Flow-GRPO's default) or per group
     global_std: bool = True
     adv_clip_max: float = 5.0
@@ -66,7 +67,7 @@ class FlowAlgorithmConfig:
 @dataclass
 class FlowModelConfig:
     model_path: str | None = None  # a local diffusers directory (StableDiffusion3Pipeline, or grouprl's tiny pixel model)
-    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    dtype: str = field(default="float32", metadata=choices("float32", "bfloat16"))
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=32, alpha=64, target_modules=["attention"]))
 
 
@@ -86,7 +87,7 @@ class FlowRolloutConfig:
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance, in rollout and in the log-prob; 1 = none
     noise_level: float = 0.7  # a of the SDE; 0 = the ODE
-    kind: str = field(default="sde", metadata=_choices("sde", "cps"))
+    kind: str = field(default="sde", metadata=choices("sde", "cps"))
     height: int = 512
     width: int = 512
     sde_window_size: int = 2  # flow_grpo_fast
@@ -114,7 +115,7 @@ class FlowWorkerConfig:
 
 @dataclass
 class FlowConfig(RunPaths):
-    kind: str = field(default="flow", metadata=_choices("flow"))
+    kind: str = field(default="flow", metadata=choices("flow"))
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
     algorithm: FlowAlgorithmConfig = field(default_factory=FlowAlgorithmConfig)
     worker: FlowWorkerConfig = field(default_factory=FlowWorkerConfig)

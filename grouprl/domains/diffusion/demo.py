@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from grouprl.config import write_text_atomic
+from grouprl.files import AtomicFile, read_json_records, write_text_atomic
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
 QUICK = dict(pretrain_steps=60, pretrain_batch=16, pairs=256, grpo_steps=2, prompts_per_step=2, n=4, held_out=8)
@@ -76,7 +76,7 @@ def plot_curve(metrics_file: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    rows = read_json_records(metrics_file)
     rows = [r for r in rows if "reward/mean" in r]
     steps, means = [r["step"] for r in rows], [r["reward/mean"] for r in rows]
     window = 5
@@ -91,10 +91,9 @@ def plot_curve(metrics_file: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with AtomicFile(png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(png)
 
 
 def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, seed: int = 0) -> dict:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+
+from grouprl.files import AtomicFile
 
 
 def grid(images: list[Image.Image], *, columns: int | None = None, captions: list[str] | None = None,
@@ -33,16 +33,9 @@ def save_grid(images: list[Image.Image], path: str | Path, *, columns: int | Non
               captions: list[str] | None = None, scale: int | None = None) -> Path:
     """``grid(...)`` saved as PNG at ``path``, atomically (a crash leaves the old file or none)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if scale is None:  # small samples are blown up to about 128 px
         scale = max(1, 128 // max(images[0].width, 1)) if images else 1
     image = grid(images, columns=columns, captions=captions, scale=scale)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        image.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with AtomicFile(path, "wb") as fh:
+        image.save(fh, format="PNG")
     return path

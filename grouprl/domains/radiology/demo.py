@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from grouprl.config import config_from_dict, merge_values, write_text_atomic
+from grouprl.config import config_from_dict, merge_values
+from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.trainer.curves import plot_reward_curves
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
@@ -317,10 +318,9 @@ def plot_seed_intervals(stats: dict, png: Path) -> None:
     what = f"mean over {k} seeds, bars: 95% t-interval, dots: seeds" if k > 1 else "one seed: no interval"
     fig.suptitle(f"grouprl demo --compare, held-out synthetic studies ({what})", fontsize=10)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with AtomicFile(png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(png)
 
 
 def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed: int = 0,

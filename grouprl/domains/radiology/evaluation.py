@@ -22,13 +22,12 @@ optimal matching, an LLM judge) into the same three files, with the same interva
 A conversation record also carries ``history``, the turns before the answer, which
 ``grouprl generate --task conversation`` writes.
 
-Every file is written to a temporary name and renamed into place, so an
-interrupted run never leaves a half-written result that looks complete.
+Every file is written atomically (:mod:`grouprl.files`), so an interrupted run
+never leaves a half-written result that looks complete.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import importlib
@@ -37,12 +36,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from grouprl.files import AtomicFile, RecordsError, read_json_records, write_text_atomic
 
 CONFIDENCE = 0.95
 
@@ -85,14 +85,14 @@ def read_predictions(path: str | os.PathLike, *, keep: Sequence[str] = ()) -> li
     path = Path(path)
     if not path.is_file():
         raise EvalDataError(f"predictions file {path} not found")
-    text = path.read_text(encoding="utf-8")
-    records = _parse_records(path, text)
+    try:
+        records = read_json_records(path)
+    except RecordsError as exc:
+        raise EvalDataError(str(exc)) from exc
     out: list[dict[str, str]] = []
     seen: dict[str, int] = {}
     for i, record in enumerate(records):
         where = f"{path}: record {i}"
-        if not isinstance(record, dict):
-            raise EvalDataError(f"{where}: expected an object with id, response and answer, got {type(record).__name__}")
         key = "id" if "id" in record else "dicom_id" if "dicom_id" in record else None
         if key is None:
             raise EvalDataError(f"{where}: field 'id' is missing")
@@ -116,25 +116,6 @@ def read_predictions(path: str | os.PathLike, *, keep: Sequence[str] = ()) -> li
     if not out:
         raise EvalDataError(f"{path}: no records")
     return out
-
-
-def _parse_records(path: Path, text: str) -> list[Any]:
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise EvalDataError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from exc
-        return data
-    records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise EvalDataError(f"{path}: line {lineno} (record {len(records)}) is not valid JSON: {exc.msg}") from exc
-    return records
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -369,7 +350,7 @@ def evaluate_file(
     out.mkdir(parents=True, exist_ok=True)
     columns = ["id", *(f"{name}[{backends[name]}]" for name in names)]
     rows = [[rid, *(_number(scores[name][i]) for name in names)] for i, rid in enumerate(ids)]
-    atomic_write_text(out / "per_sample.csv", _csv_text(columns, rows))
+    write_text_atomic(out / "per_sample.csv", _csv_text(columns, rows))
     summary = {
         "data": str(Path(data)),
         "task": "report",
@@ -381,9 +362,9 @@ def evaluate_file(
                       "seed": seed, "confidence": CONFIDENCE, "method": "percentile"},
         "metrics": [m.row() for m in metrics],
     }
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary_rows = [[m.metric, _number(m.value), _number(m.ci_low), _number(m.ci_high), m.backend] for m in metrics]
-    atomic_write_text(out / "summary.csv", _csv_text(["metric", "value", "ci_low", "ci_high", "backend"], summary_rows))
+    write_text_atomic(out / "summary.csv", _csv_text(["metric", "value", "ci_low", "ci_high", "backend"], summary_rows))
     return summary
 
 
@@ -453,7 +434,7 @@ def evaluate_task_records(
     names = list(scores.per_sample)
     columns = ["id", *(f"{name}[{scores.backends[name]}]" for name in names)]
     rows = [[r["id"], *(_number(scores.per_sample[name][i]) for name in names)] for i, r in enumerate(records)]
-    atomic_write_text(out / "per_sample.csv", _csv_text(columns, rows))
+    write_text_atomic(out / "per_sample.csv", _csv_text(columns, rows))
     options: dict[str, Any] = {}
     if task == "grounding":
         options = {"iou_threshold": iou_threshold, "box_labels": box_labels}
@@ -473,9 +454,9 @@ def evaluate_task_records(
                       "seed": seed, "confidence": CONFIDENCE, "method": "percentile"},
         "metrics": [m.row() for m in metrics],
     }
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary_rows = [[m.metric, _number(m.value), _number(m.ci_low), _number(m.ci_high), m.backend] for m in metrics]
-    atomic_write_text(out / "summary.csv", _csv_text(["metric", "value", "ci_low", "ci_high", "backend"], summary_rows))
+    write_text_atomic(out / "summary.csv", _csv_text(["metric", "value", "ci_low", "ci_high", "backend"], summary_rows))
     return summary
 
 
@@ -507,22 +488,6 @@ def _csv_text(header: list[str], rows: list[list[Any]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------- generating
@@ -584,30 +549,19 @@ def generate_file(
     policy.to(target)
     engine = HFGenerationEngine(policy, processor, max_prompt_length=max_prompt_length)
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     written = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f, _progress(len(samples), show_progress) as advance:
-            for start in range(0, len(samples), batch_size):
-                batch = [samples[i] for i in range(start, min(start + batch_size, len(samples)))]
-                call = dataclasses.replace(params, seed=None if seed is None else seed + start)
-                rollout = engine.generate(batch, call)
-                for sample, response in zip(batch, rollout.responses):
-                    record = {"id": sample.id, "response": response, "answer": sample.answer}
-                    if task == "conversation":
-                        record["history"] = llava_turns(sample.messages)
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    written += 1
-                advance(len(batch))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with AtomicFile(out, "w") as f, _progress(len(samples), show_progress) as advance:
+        for start in range(0, len(samples), batch_size):
+            batch = [samples[i] for i in range(start, min(start + batch_size, len(samples)))]
+            call = dataclasses.replace(params, seed=None if seed is None else seed + start)
+            rollout = engine.generate(batch, call)
+            for sample, response in zip(batch, rollout.responses):
+                record = {"id": sample.id, "response": response, "answer": sample.answer}
+                if task == "conversation":
+                    record["history"] = llava_turns(sample.messages)
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                written += 1
+            advance(len(batch))
     return written
 
 

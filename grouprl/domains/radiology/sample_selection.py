@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grouprl.files import RecordsError, json_layout, read_json_records, write_text_atomic
+
 STRATEGIES = ("hard", "uniform")
 _SHOWN = 10  # ids named in an error message before "and N more"
 
@@ -277,40 +279,20 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict[str, Any]], str]:
     if not path.is_file():
         raise SamplingError(f"{path}: file not found")
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise SamplingError(f"{path}: not UTF-8 text: {exc}") from exc
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SamplingError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
-        layout = "json"
-    else:
-        records, layout = [], "jsonl"
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise SamplingError(f"{path}: line {lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
-    for i, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise SamplingError(f"{path}: record {i}: expected an object, got {type(record).__name__}")
+        records = read_json_records(path)
+    except RecordsError as exc:
+        raise SamplingError(str(exc)) from exc
     if not records:
         raise SamplingError(f"{path}: no records")
-    return records, layout
+    return records, json_layout(path)
 
 
 def write_records(path: str | os.PathLike, records: Sequence[dict[str, Any]], layout: str) -> None:
     """Write records as a JSON list (``json``) or JSON lines (``jsonl``), atomically."""
-    from grouprl.config import write_text_atomic
-
     if layout == "json":
         text = json.dumps(list(records), ensure_ascii=False, indent=1) + "\n"
     elif layout == "jsonl":
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     else:
         raise SamplingError(f"unknown record layout {layout!r}; expected json or jsonl")
-    write_text_atomic(Path(path), text)
+    write_text_atomic(path, text)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from grouprl.config import config_from_dict, merge_values, write_text_atomic
+from grouprl.config import config_from_dict, merge_values
+from grouprl.files import read_json_records, write_text_atomic
 from grouprl.trainer.curves import plot_reward_curves
 
 
@@ -122,7 +123,7 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
 
 def _training_summary(metrics_file: Path) -> dict:
     """Per-run means over the training steps: reward, and for dialogues, turns and how they ended."""
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    rows = read_json_records(metrics_file)
     rows = [r for r in rows if r.get("reward/mean") is not None]
     out = {"steps": len(rows), "reward_mean": sum(r["reward/mean"] for r in rows) / len(rows),
            "reward_first_5": sum(r["reward/mean"] for r in rows[:5]) / len(rows[:5]),

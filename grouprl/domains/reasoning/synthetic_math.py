@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from grouprl.files import write_text_atomic
+
 NAMES = ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun")
 ITEMS = ("apples", "coins", "books", "stamps", "marbles", "shells", "cards", "pens")
 GAINS = ("finds", "buys", "gets", "wins")  # verbs of "+": "<name> <verb> <b> more"
@@ -143,10 +145,7 @@ def write_dataset(path: str | Path, problems: list[Problem]) -> Path:
 def write_records(path: str | Path, records: list[dict]) -> Path:
     """Records as JSON lines at ``path`` (written atomically)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from grouprl.domains.radiology.findings import FINDING_NAMES
+from grouprl.files import AtomicFile, write_text_atomic
 
 FINDINGS: tuple[str, ...] = FINDING_NAMES
 
@@ -918,8 +919,8 @@ def write_dataset(
     ``format="easyr1"``: ``{name}.jsonl``, one ``{"problem", "answer", "images", "id"}``
     per line. Every record also has ``findings`` (the ground-truth labels) for
     evaluation. Image paths are relative to the data file. Record ``i`` uses
-    ``prompts[i % len(prompts)]`` (default: :data:`PROMPT`). Files are written to a
-    temporary name and then renamed, so a reader never sees a half-written file.
+    ``prompts[i % len(prompts)]`` (default: :data:`PROMPT`). Files are written
+    atomically (:mod:`grouprl.files`), so a reader never sees a half-written file.
 
     ``task``: ``report`` (the default: report generation, as above) or one of
     RadVLM-GRPO's other tasks (``classification``, ``anatomical_grounding``,
@@ -952,10 +953,10 @@ def write_dataset(
         if task != "report":
             record = task_record(study, task, seed=seed, index=i, image=relative, format=format)
             if record is not None:
-                _atomic_png(study.image, root / relative)
+                _write_png(study.image, root / relative)
                 records.append(record)
             continue
-        _atomic_png(study.image, root / relative)
+        _write_png(study.image, root / relative)
         prompt = prompts[i % len(prompts)]
         if format == "llava":
             records.append({
@@ -979,18 +980,10 @@ def write_dataset(
         path, text = root / f"{name}.json", json.dumps(records, indent=1)
     else:
         path, text = root / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
-    _atomic_write(path, text.encode())
+    write_text_atomic(path, text)
     return path
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _atomic_png(image: Image.Image, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
+def _write_png(image: Image.Image, path: Path) -> None:
+    with AtomicFile(path, "wb") as fh:
+        image.save(fh, format="PNG")

@@ -1,43 +1,36 @@
-"""Typed run configuration in the EasyR1/verl shape, read from YAML with dotted overrides.
+"""The run configuration's schema: one dataclass per section, in the EasyR1/verl shape.
 
-    grouprl train config.yaml worker.rollout.n=5 algorithm.loss_agg_mode=seq-mean-token-sum-norm
-
-The tree is a set of dataclasses; every key a user can write is a field here, so
-an unknown key is caught with the closest valid keys, and every value is checked
-against the field's type (and its ``choices`` where it has a closed set).
+Every key a user can write is a field here, with its type, default and (for a closed
+set of strings) its ``choices``; the loader (:mod:`grouprl.config.load`) checks values
+against them and refuses unknown keys. Checks of one section that need no other live on
+the section (``VerifierConfig.check``); checks across sections and against the
+registries are in :mod:`grouprl.config.checks`.
 """
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
-import difflib
-import os
-import tempfile
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
-
-import yaml
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message names the key."""
 
 
-def _choices(*values: str) -> dict:
+def choices(*values: str) -> dict:
+    """Field metadata for a string key with a closed set of values: ``field(default=..., metadata=choices(...))``.
+
+    The loader refuses any other value with the list (``load._coerce``).
+    """
     return {"choices": values}
-
-
-# ---------------------------------------------------------------------------- schema
 
 
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    format: str = field(default="auto", metadata=_choices("auto", "easyr1", "llava", "swift"))
+    format: str = field(default="auto", metadata=choices("auto", "easyr1", "llava", "swift"))
     prompt_key: str | None = None
     answer_key: str | None = None
     image_key: str | None = None
@@ -76,8 +69,8 @@ class RolloutCorrectionConfig:
     """
 
     enable: bool | None = None  # None: on when the sampler can differ from the trainer (vllm, one_step_off)
-    level: str = field(default="sequence", metadata=_choices("token", "sequence"))
-    mode: str = field(default="mask", metadata=_choices("truncate", "mask"))
+    level: str = field(default="sequence", metadata=choices("token", "sequence"))
+    mode: str = field(default="mask", metadata=choices("truncate", "mask"))
     clip_max: float | None = 3.0
     clip_min: float | None = None
 
@@ -117,7 +110,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     model_path: str | None = None
-    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16", "float16", "auto"))
+    dtype: str = field(default="float32", metadata=choices("float32", "bfloat16", "float16", "auto"))
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
     freeze_vision_tower: bool = False
@@ -130,12 +123,12 @@ class OptimConfig:
     # adamw: fp32 master weights and AdamW state whatever the compute dtype (EasyR1/verl);
     # adamw_bf16: parameters and AdamW state in bf16, half the memory and lossy (small
     # updates round away; at lr 1e-6 most entries of a 0.02-scale weight never change).
-    strategy: str = field(default="adamw", metadata=_choices("adamw", "adamw_bf16"))
+    strategy: str = field(default="adamw", metadata=choices("adamw", "adamw_bf16"))
     lr: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-2
     lr_warmup_ratio: float = 0.0
-    lr_scheduler_type: str = field(default="constant", metadata=_choices("constant", "linear", "cosine"))
+    lr_scheduler_type: str = field(default="constant", metadata=choices("constant", "linear", "cosine"))
     min_lr_ratio: float = 0.0
 
 
@@ -169,7 +162,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # ddp: every process holds the whole model; fsdp: parameters, gradients and optimizer
     # state sharded over the processes (torch FSDP2), for models DDP cannot hold.
-    strategy: str = field(default="ddp", metadata=_choices("ddp", "fsdp"))
+    strategy: str = field(default="ddp", metadata=choices("ddp", "fsdp"))
     global_batch_size: int = 8  # prompts per optimizer step; x rollout.n responses
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward
     micro_batch_size_per_device_for_experience: int = 16  # responses per no-grad log-prob forward
@@ -240,7 +233,7 @@ class VerifierConfig:
     prompt_template: str = DEFAULT_VERIFIER_TEMPLATE  # the verifier's system message
     enable_hallucination_score: bool = True  # parse "[SCORE] hallucination_detect=0|1" from replies
     # final_turn: train on the last policy turn only (the seed's original); full_turn: on every policy turn
-    train_scope: str = field(default="full_turn", metadata=_choices("final_turn", "full_turn"))
+    train_scope: str = field(default="full_turn", metadata=choices("final_turn", "full_turn"))
     temperature: float = 0.2
     top_p: float = 0.95
     top_k: int = -1  # -1 = off
@@ -266,7 +259,7 @@ class VerifierConfig:
     # What a verifier call that failed after its retries does. stop: the dialogue ends there as if
     # the verifier had sent the stop token (the seed's behaviour), counted and logged; fail: the
     # step fails with the error.
-    on_failure: str = field(default="stop", metadata=_choices("stop", "fail"))
+    on_failure: str = field(default="stop", metadata=choices("stop", "fail"))
     # Sent to the policy instead of ending the dialogue when the verifier stops it before a final answer.
     continue_message: str = "Please continue and provide the final answer in the required format."
 
@@ -362,7 +355,7 @@ class RolloutConfig:
     extractor_similarity_threshold: float = 0.6  # tau
     extractor_type: str = "rules"  # rules | ratescore (RaTE-NER) | radgraph (RadGraph model) | a registered name
     extractor_model_path: str | None = None  # local model directory of the ratescore / radgraph extractors
-    extractor_edited_tokens: str = field(default="train", metadata=_choices("train", "mask"))
+    extractor_edited_tokens: str = field(default="train", metadata=choices("train", "mask"))
     # Guided-GRPO: a verifier answers each policy turn (multi-turn rollouts)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
 
@@ -391,7 +384,7 @@ class RewardConfig:
     reward_server: str | None = None
     reward_server_weight: float = 1.0
     reward_components: list[str] | None = None  # None: the client's default (radiology: EditGRPO's trainer's)
-    type: str = field(default="free_form", metadata=_choices("short", "cot", "free_form"))
+    type: str = field(default="free_form", metadata=choices("short", "cot", "free_form"))
     server_batch_size: int = 64
     server_max_concurrency: int = 4
     server_timeout: float = 60.0
@@ -425,12 +418,12 @@ class TrainerConfig:
     # CheXPO-style completions.jsonl: per-token log-probs (from the sampler) and tokens of every response
     log_completions: bool = False
     seed: int = 1
-    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
     # sync: generate, score, train in turn. async_reward: score each rollout micro-batch
     # (worker.rollout.micro_batch_size rows) while the next one generates. one_step_off:
     # generate and score step k+1's batch (with the weights before step k's update) while
     # step k trains; its old log-probs are recomputed and the staleness is logged.
-    async_mode: str = field(default="sync", metadata=_choices("sync", "async_reward", "one_step_off"))
+    async_mode: str = field(default="sync", metadata=choices("sync", "async_reward", "one_step_off"))
 
 
 @dataclass
@@ -464,298 +457,3 @@ class Config(RunPaths):
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-
-
-# ---------------------------------------------------------------------------- building
-
-
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (leaves and sections)."""
-    keys = []
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        keys.append(key)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(all_keys(hints[f.name], key + "."))
-    return keys
-
-
-# The schema whose keys an unknown key is compared with: the language trainer's Config, or
-# another root (the flow trainer's) while `build_config` builds one.
-_SCHEMA_ROOT: contextvars.ContextVar[type] = contextvars.ContextVar("grouprl_config_schema_root")
-
-
-def _unknown_key(key: str) -> ConfigError:
-    valid = all_keys(_SCHEMA_ROOT.get(Config))
-    leaf = key.rsplit(".", 1)[-1]
-    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-    # A right leaf name under the wrong section is the common mistake: suggest by leaf too.
-    near += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in near][:3]
-    hint = f"; did you mean {', '.join(near)}?" if near else ""
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key, choices)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} is not a valid {_type_name(tp)}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' is a section; expected a mapping, got {value!r}")
-        return _build(tp, value, key + ".")
-    if origin is list:
-        (item_tp,) = get_args(tp)
-        if isinstance(value, str) and item_tp is str:
-            # `data.train_files=a.jsonl,b.jsonl` on the command line
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' expects true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            # YAML reads 1e-6 as a string (no dot); accept what float() accepts
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
-        value = str(value)
-        if choices and value not in choices:
-            raise ConfigError(f"config key '{key}' accepts one of {', '.join(choices)}; got {value!r}")
-        return value
-    raise ConfigError(f"config key '{key}': unsupported type {tp}")  # a schema bug, not a user error
-
-
-def _build(cls: type, values: dict, prefix: str = ""):
-    hints = get_type_hints(cls)
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in names:
-            raise _unknown_key(f"{prefix}{key}")
-        f = names[key]
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", f.metadata.get("choices"))
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict:
-    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML (``true``, ``3``, ``[a, b]``)."""
-    tree: dict = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        value = yaml.safe_load(raw) if raw.strip() else None
-        _set_dotted(tree, key, value)
-    return tree
-
-
-def merge_values(base: dict, extra: dict) -> dict:
-    """``extra`` over ``base``, nested sections merged key by key (neither is changed)."""
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_values(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def build_config(root: type, values: dict):
-    """``values`` checked against the dataclass schema ``root`` (types, choices, unknown keys with suggestions)."""
-    token = _SCHEMA_ROOT.set(root)
-    try:
-        return _build(root, values or {})
-    finally:
-        _SCHEMA_ROOT.reset(token)
-
-
-def read_config_values(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                       base: dict | None = None) -> dict:
-    """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict."""
-    values: dict = dict(base or {})
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        values = merge_values(values, loaded)
-    return merge_values(values, parse_overrides(overrides or []))
-
-
-def config_from_dict(values: dict) -> Config:
-    config = _build(Config, values or {})
-    validate(config)
-    return config
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
-    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
-    return config_from_dict(read_config_values(path, overrides, base))
-
-
-def to_dict(config: Config) -> dict:
-    return dataclasses.asdict(config)
-
-
-def redacted(config: Config) -> dict:
-    """The config as a dict for files and loggers: every field marked secret (API keys) is None."""
-    return _without_secrets(to_dict(config), type(config))
-
-
-def _without_secrets(values: dict, cls: type = Config) -> dict:
-    """``values`` (``to_dict`` of a ``cls``) with every field marked secret set to None."""
-    hints = get_type_hints(cls)
-    out = dict(values)
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("secret"):
-            out[f.name] = None
-        elif dataclasses.is_dataclass(hints[f.name]) and isinstance(out.get(f.name), dict):
-            out[f.name] = _without_secrets(out[f.name], hints[f.name])
-    return out
-
-
-def save_config(config: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically, with secrets (API keys) left out."""
-    write_text_atomic(Path(path), yaml.safe_dump(redacted(config), sort_keys=False))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# ---------------------------------------------------------------------------- cross-field checks
-
-
-def _check_name(key: str, value: str, registry: dict) -> None:
-    if value not in registry:
-        raise ConfigError(f"config key '{key}' accepts one of {', '.join(sorted(registry))}; got {value!r}")
-
-
-def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
-
-
-def validate(config: Config) -> None:
-    """Checks that need more than one field or a registry."""
-    from grouprl import algorithms  # registries are pluggable, so read them at validation time
-    from grouprl.rollout.engine import engine_names
-
-    algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
-    _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
-    _check_name("algorithm.policy_loss", algo.policy_loss, algorithms.POLICY_LOSSES)
-    _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
-    _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
-    _check_name("worker.rollout.engine", rollout.engine, dict.fromkeys(engine_names()))
-    _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
-    _positive("worker.rollout.n", rollout.n)
-    if rollout.temperature <= 0:
-        # the loss scores sampled tokens at the sampling temperature; greedy rollouts have none
-        # (and give every response of a group the same text, so no group-relative signal)
-        raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 for training rollouts; "
-                          f"got {rollout.temperature} (greedy decoding is for validation: worker.rollout.val_temperature)")
-    _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
-    if not 0 < rollout.top_p <= 1:
-        raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
-    rollout.verifier.check("worker.rollout.verifier")
-    _positive("data.rollout_batch_size", config.data.rollout_batch_size)
-    _positive("data.max_response_length", config.data.max_response_length)
-    _positive("worker.actor.global_batch_size", actor.global_batch_size)
-    _positive("worker.actor.micro_batch_size_per_device_for_update", actor.micro_batch_size_per_device_for_update)
-    _positive("worker.actor.micro_batch_size_per_device_for_experience", actor.micro_batch_size_per_device_for_experience)
-    _positive("worker.actor.ppo_epochs", actor.ppo_epochs)
-    _positive("worker.actor.optim.lr", actor.optim.lr, allow_zero=True)
-    if config.data.rollout_batch_size % actor.global_batch_size:
-        raise ConfigError(
-            f"config key 'data.rollout_batch_size' ({config.data.rollout_batch_size}) must be a multiple of "
-            f"'worker.actor.global_batch_size' ({actor.global_batch_size})"
-        )
-    model = actor.model
-    if model.dtype == "float16":
-        raise ConfigError("config key 'worker.actor.model.dtype': float16 training needs loss scaling, which "
-                          "grouprl does not do; use bfloat16 (bf16 compute over fp32 master weights)")
-    if actor.optim.strategy == "adamw_bf16" and model.dtype != "bfloat16":
-        raise ConfigError("config key 'worker.actor.optim.strategy': adamw_bf16 keeps parameters and optimizer "
-                          f"state in bf16 and needs 'worker.actor.model.dtype: bfloat16'; got {model.dtype!r}")
-    if config.trainer.async_mode == "one_step_off" and algo.online_filtering:
-        raise ConfigError("config key 'trainer.async_mode': one_step_off with 'algorithm.online_filtering' is not "
-                          "supported yet (dynamic sampling agrees across processes while the next batch generates)")
-    if actor.strategy == "fsdp" and model.lora.rank > 0:
-        raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
-                          "is not supported yet; LoRA adapters are small enough for ddp")
-    if len(actor.optim.betas) != 2:
-        raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
-    if config.worker.reward.functions and config.worker.reward.reward_function:
-        raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
-    for i, fn in enumerate(config.worker.reward.functions):
-        if not fn.name:
-            raise ConfigError(f"config key 'worker.reward.functions[{i}].name' is empty")
-    if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
-        raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
-    allowed_loggers = {"console", "jsonl", "tensorboard", "wandb"}
-    for name in config.trainer.logger:
-        if name not in allowed_loggers:
-            raise ConfigError(f"config key 'trainer.logger' accepts {', '.join(sorted(allowed_loggers))}; got {name!r}")

@@ -1,0 +1,96 @@
+"""Typed run configuration in the EasyR1/verl shape, read from YAML with dotted overrides.
+
+    grouprl train config.yaml worker.rollout.n=5 algorithm.loss_agg_mode=seq-mean-token-sum-norm
+
+- :mod:`~grouprl.config.schema`: the dataclasses, one per section; every key a user can
+  write is a field there.
+- :mod:`~grouprl.config.load`: YAML files, dotted overrides, building values into the
+  schema (unknown keys fail with the closest valid ones) and writing a config back out.
+- :mod:`~grouprl.config.checks`: checks across fields and against the registries.
+
+Everything is importable from ``grouprl.config`` itself. ``write_text_atomic`` is
+:func:`grouprl.files.write_text_atomic`, kept here for the modules that import it from
+this package.
+"""
+
+from grouprl.config.checks import validate
+from grouprl.config.load import (
+    all_keys,
+    build_config,
+    config_from_dict,
+    load_config,
+    merge_values,
+    parse_overrides,
+    read_config_values,
+    redacted,
+    save_config,
+    to_dict,
+)
+from grouprl.config.schema import (
+    DEFAULT_VERIFIER_TEMPLATE,
+    ActorConfig,
+    AlgorithmConfig,
+    CISPOConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    GSPOConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    OverlongConfig,
+    RefConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    RunPaths,
+    SAPOConfig,
+    SFTConfig,
+    StaticCacheConfig,
+    TrainerConfig,
+    VerifierConfig,
+    WorkerConfig,
+    choices,
+)
+from grouprl.files import write_text_atomic
+
+__all__ = [
+    "DEFAULT_VERIFIER_TEMPLATE",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CISPOConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "GSPOConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RunPaths",
+    "SAPOConfig",
+    "SFTConfig",
+    "StaticCacheConfig",
+    "TrainerConfig",
+    "VerifierConfig",
+    "WorkerConfig",
+    "all_keys",
+    "build_config",
+    "choices",
+    "config_from_dict",
+    "load_config",
+    "merge_values",
+    "parse_overrides",
+    "read_config_values",
+    "redacted",
+    "save_config",
+    "to_dict",
+    "validate",
+    "write_text_atomic",
+]

@@ -1,0 +1,83 @@
+"""Cross-field checks of a built Config: what one field's type cannot say (ranges, combinations, registry names).
+
+The registries (advantage estimators, losses, engines) are pluggable, so they are read
+when a config is checked, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grouprl.config.schema import Config, ConfigError
+
+
+def _check_name(key: str, value: str, registry: dict) -> None:
+    if value not in registry:
+        raise ConfigError(f"config key '{key}' accepts one of {', '.join(sorted(registry))}; got {value!r}")
+
+
+def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
+
+
+def validate(config: Config) -> None:
+    """Checks that need more than one field or a registry."""
+    from grouprl import algorithms  # registries are pluggable, so read them at validation time
+    from grouprl.rollout.engine import engine_names
+
+    algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
+    _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
+    _check_name("algorithm.policy_loss", algo.policy_loss, algorithms.POLICY_LOSSES)
+    _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
+    _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
+    _check_name("worker.rollout.engine", rollout.engine, dict.fromkeys(engine_names()))
+    _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
+    _positive("worker.rollout.n", rollout.n)
+    if rollout.temperature <= 0:
+        # the loss scores sampled tokens at the sampling temperature; greedy rollouts have none
+        # (and give every response of a group the same text, so no group-relative signal)
+        raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 for training rollouts; "
+                          f"got {rollout.temperature} (greedy decoding is for validation: worker.rollout.val_temperature)")
+    _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
+    if not 0 < rollout.top_p <= 1:
+        raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
+    rollout.verifier.check("worker.rollout.verifier")
+    _positive("data.rollout_batch_size", config.data.rollout_batch_size)
+    _positive("data.max_response_length", config.data.max_response_length)
+    _positive("worker.actor.global_batch_size", actor.global_batch_size)
+    _positive("worker.actor.micro_batch_size_per_device_for_update", actor.micro_batch_size_per_device_for_update)
+    _positive("worker.actor.micro_batch_size_per_device_for_experience", actor.micro_batch_size_per_device_for_experience)
+    _positive("worker.actor.ppo_epochs", actor.ppo_epochs)
+    _positive("worker.actor.optim.lr", actor.optim.lr, allow_zero=True)
+    if config.data.rollout_batch_size % actor.global_batch_size:
+        raise ConfigError(
+            f"config key 'data.rollout_batch_size' ({config.data.rollout_batch_size}) must be a multiple of "
+            f"'worker.actor.global_batch_size' ({actor.global_batch_size})"
+        )
+    model = actor.model
+    if model.dtype == "float16":
+        raise ConfigError("config key 'worker.actor.model.dtype': float16 training needs loss scaling, which "
+                          "grouprl does not do; use bfloat16 (bf16 compute over fp32 master weights)")
+    if actor.optim.strategy == "adamw_bf16" and model.dtype != "bfloat16":
+        raise ConfigError("config key 'worker.actor.optim.strategy': adamw_bf16 keeps parameters and optimizer "
+                          f"state in bf16 and needs 'worker.actor.model.dtype: bfloat16'; got {model.dtype!r}")
+    if config.trainer.async_mode == "one_step_off" and algo.online_filtering:
+        raise ConfigError("config key 'trainer.async_mode': one_step_off with 'algorithm.online_filtering' is not "
+                          "supported yet (dynamic sampling agrees across processes while the next batch generates)")
+    if actor.strategy == "fsdp" and model.lora.rank > 0:
+        raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
+                          "is not supported yet; LoRA adapters are small enough for ddp")
+    if len(actor.optim.betas) != 2:
+        raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
+    if config.worker.reward.functions and config.worker.reward.reward_function:
+        raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
+    for i, fn in enumerate(config.worker.reward.functions):
+        if not fn.name:
+            raise ConfigError(f"config key 'worker.reward.functions[{i}].name' is empty")
+    if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
+        raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
+    allowed_loggers = {"console", "jsonl", "tensorboard", "wandb"}
+    for name in config.trainer.logger:
+        if name not in allowed_loggers:
+            raise ConfigError(f"config key 'trainer.logger' accepts {', '.join(sorted(allowed_loggers))}; got {name!r}")

@@ -1,0 +1,231 @@
+"""Reading a run configuration: YAML files, dotted command-line overrides, building and checking values.
+
+    grouprl train config.yaml worker.rollout.n=5 algorithm.loss_agg_mode=seq-mean-token-sum-norm
+
+Values are merged (file over ``base``, overrides over both) as plain dicts, then built
+into the schema's dataclasses (:mod:`grouprl.config.schema`): an unknown key fails with
+the closest valid keys, every value is checked against its field's type and choices.
+Also the way back out: ``to_dict``, ``redacted`` (secrets removed) and ``save_config``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import difflib
+import os
+import types
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from grouprl.config.checks import validate
+from grouprl.config.schema import Config, ConfigError
+from grouprl.files import write_text_atomic
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (leaves and sections)."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], key + "."))
+    return keys
+
+
+# The schema whose keys an unknown key is compared with: the language trainer's Config, or
+# another root (the flow trainer's) while `build_config` builds one.
+_SCHEMA_ROOT: contextvars.ContextVar[type] = contextvars.ContextVar("grouprl_config_schema_root")
+
+
+def _unknown_key(key: str) -> ConfigError:
+    valid = all_keys(_SCHEMA_ROOT.get(Config))
+    leaf = key.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    # A right leaf name under the wrong section is the common mistake: suggest by leaf too.
+    near += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in near][:3]
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, choices)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} is not a valid {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' is a section; expected a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, str) and item_tp is str:
+            # `data.train_files=a.jsonl,b.jsonl` on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads 1e-6 as a string (no dot); accept what float() accepts
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
+        value = str(value)
+        if choices and value not in choices:
+            raise ConfigError(f"config key '{key}' accepts one of {', '.join(choices)}; got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type {tp}")  # a schema bug, not a user error
+
+
+def _build(cls: type, values: dict, prefix: str = ""):
+    hints = get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise _unknown_key(f"{prefix}{key}")
+        f = names[key]
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", f.metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML (``true``, ``3``, ``[a, b]``)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def merge_values(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, nested sections merged key by key (neither is changed)."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_values(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(root: type, values: dict):
+    """``values`` checked against the dataclass schema ``root`` (types, choices, unknown keys with suggestions)."""
+    token = _SCHEMA_ROOT.set(root)
+    try:
+        return _build(root, values or {})
+    finally:
+        _SCHEMA_ROOT.reset(token)
+
+
+def read_config_values(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                       base: dict | None = None) -> dict:
+    """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict."""
+    values: dict = dict(base or {})
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        values = merge_values(values, loaded)
+    return merge_values(values, parse_overrides(overrides or []))
+
+
+def config_from_dict(values: dict) -> Config:
+    config = _build(Config, values or {})
+    validate(config)
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
+    return config_from_dict(read_config_values(path, overrides, base))
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def redacted(config: Config) -> dict:
+    """The config as a dict for files and loggers: every field marked secret (API keys) is None."""
+    return _without_secrets(to_dict(config), type(config))
+
+
+def _without_secrets(values: dict, cls: type = Config) -> dict:
+    """``values`` (``to_dict`` of a ``cls``) with every field marked secret set to None."""
+    hints = get_type_hints(cls)
+    out = dict(values)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("secret"):
+            out[f.name] = None
+        elif dataclasses.is_dataclass(hints[f.name]) and isinstance(out.get(f.name), dict):
+            out[f.name] = _without_secrets(out[f.name], hints[f.name])
+    return out
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML, atomically, with secrets (API keys) left out."""
+    write_text_atomic(Path(path), yaml.safe_dump(redacted(config), sort_keys=False))
+
