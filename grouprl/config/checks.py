@@ -43,6 +43,12 @@ def validate(config: Config) -> None:
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
     rollout.verifier.check("worker.rollout.verifier")
+    if rollout.verifier.backend != "auto":
+        from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)
+
+        if rollout.verifier.backend not in VERIFIER_BACKENDS.names():
+            raise ConfigError(f"config key 'worker.rollout.verifier.backend': "
+                              f"{VERIFIER_BACKENDS.unknown_message(rollout.verifier.backend)} (or auto)")
     _positive("data.rollout_batch_size", config.data.rollout_batch_size)
     _positive("data.max_response_length", config.data.max_response_length)
     _positive("worker.actor.global_batch_size", actor.global_batch_size)

@@ -370,6 +370,8 @@ class RewardFunctionConfig:
     name: str = ""
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # raise: a reward that raises fails the step, naming it; none: its rows are left unscored (never 0)
+    on_error: str = field(default="raise", metadata=choices("raise", "none"))
 
 
 @dataclass
