@@ -130,7 +130,7 @@ def test_the_core_imports_no_domain_and_layers_hold():
 
 
 @pytest.mark.parametrize("source, planted", [
-    ("grouprl.trainer.loop", "import grouprl.domains.radiology.edits\n"),
+    ("grouprl.trainer.update", "import grouprl.domains.radiology.edits\n"),
     ("grouprl.rewards.contract", "def f():\n    from grouprl.domains.diffusion import scheduler\n"),
     ("grouprl.cli", "X = 'grouprl.domains.reasoning.demo:run_guided_demo'\n"),
     ("grouprl.domains.diffusion.trainer", "from grouprl.domains.radiology import findings\n"),
@@ -139,8 +139,9 @@ def test_the_core_imports_no_domain_and_layers_hold():
 def test_a_planted_import_is_caught(source, planted):
     mods = modules()
     assert source in mods
+    before = set(violations(mods))
     mods[source] = ast.parse(ast.unparse(mods[source]) + "\n" + planted)
-    assert len(violations(mods)) == 1
+    assert len(set(violations(mods)) - before) == 1
 
 
 def test_tests_of_the_core_import_no_domain():
