@@ -349,7 +349,7 @@ class GRPOTrainer(TrainingLoop):
             with warnings.catch_warnings():
                 # the schedule counts training steps, taken or skipped; torch warns when the
                 # first one is skipped, before any optimizer step
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
                 self.scheduler.step()
             self.prefetcher.wait(metrics)
             return StepResult(metrics)
