@@ -28,6 +28,7 @@ thread (:class:`OneStepOffPrefetcher`) while step k trains, and in the other mod
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import json
 import time
@@ -50,7 +51,7 @@ class StepResult:
     ``records``: the rows for rollouts.jsonl (from ``validate``: for val_generations.jsonl);
     ``completions``: the rows for completions.jsonl. None where there is nothing to write; it
     must be None on every process or on none, since writing gathers the rows from all of them.
-    ``batch``: what the step trained on, kept for inspection (``TrainingLoop.last_step``).
+    ``batch``: what the step trained on, kept for inspection (``TrainingLoop.last_step``), or None.
     """
 
     metrics: StepMetrics
@@ -128,7 +129,7 @@ class _Writers:
             writer.close()
 
 
-class TrainingLoop:
+class TrainingLoop(abc.ABC):
     """The stages of a run around a trainer's step (see the module docstring).
 
     A subclass calls ``super().__init__`` once its accelerator and prompt stream exist, and sets
@@ -152,17 +153,17 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ hooks
 
+    @abc.abstractmethod
     def step(self, step: int) -> StepResult:
         """One training step on this process; its metrics are not yet reduced across processes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rollout(self, step: int, metrics: StepMetrics) -> Any:
         """Step ``step``'s batch, its prompts drawn from ``self.stream``, sampled and scored now."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def validate(self, step: int) -> StepResult | None:
         """Validation metrics and val_generations.jsonl rows; None when the run has no validation set."""
-        raise NotImplementedError
 
     def rollout_ahead(self, step: int, metrics: StepMetrics) -> Any:
         """Step ``step``'s batch, sampled in the prefetcher's thread while the previous step trains."""

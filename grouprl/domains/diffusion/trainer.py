@@ -264,6 +264,8 @@ class FlowGRPOTrainer(TrainingLoop):
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> StepResult:
+        """One training step on this process (the stages of the module docstring); its metrics are not yet
+        reduced across processes. The result keeps no batch: its rows hold every trained step's latents."""
         algo, actor = self.config.algorithm, self.config.worker.actor
         metrics = StepMetrics()
         t0 = time.perf_counter()
