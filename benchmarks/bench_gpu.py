@@ -316,7 +316,7 @@ def run_grouprl(spec: dict) -> dict:
     for k in range(1, spec["steps"] + 1):
         probe.sync()
         t0 = time.perf_counter()
-        metrics = trainer.step(k)
+        metrics = trainer.step(k).metrics
         probe.sync()
         wall = time.perf_counter() - t0
         trainer.state.global_step = k

@@ -106,7 +106,7 @@ def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: i
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    metrics = trainer._reduce(trainer.step(1))
+    metrics = trainer.reduce_metrics(trainer.step(1).metrics)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     return {"peak_bytes": peak, "seconds": seconds, "tensor_bytes": {**tensor_bytes(trainer),

@@ -145,12 +145,12 @@ def run_grouprl(spec: dict) -> dict:
     step = trainer.step
 
     def timed_step(i):
-        metrics = step(i)
+        result = step(i)
         ends.append(time.perf_counter())
-        values = metrics.local()  # one process: its own values are the step's
+        values = result.metrics.local()  # one process: its own values are the step's
         rewards.append(values["reward/mean"])
         lengths.append(values["response_length/mean"])
-        return metrics
+        return result
 
     trainer.step = timed_step
     trainer.train()

@@ -1,13 +1,14 @@
-"""The GRPO-family training loop: one step read top to bottom in ``GRPOTrainer.step``.
+"""GRPO-family training: one step read top to bottom in ``GRPOTrainer.step`` and ``GRPOTrainer.rollout``.
 
-    prompts -> engine.generate (n per prompt) -> RolloutBatch
+    prompts -> engine.generate (n per prompt, a micro-batch at a time) -> RolloutBatch
             -> rollout transforms -> rewards -> (dynamic sampling) -> old / ref log-probs
             -> advantages -> run_update (PPO epochs over mini-batches of micro-batches)
             -> rollout copy refreshed -> logs, checkpoint
 
-Every process runs the same steps on its own shard of the prompts and holds the
-same number of rows at the update; metrics are reduced across processes by kind
-(``trainer.metrics``).
+The run around the steps (resume, save, metric reduction, writers, validation cadence, the
+one-step-off prefetcher) is ``trainer.loop.TrainingLoop``'s. Every process runs the same steps
+on its own shard of the prompts and holds the same number of rows at the update; metrics are
+reduced across processes by kind (``trainer.metrics``).
 """
 
 from __future__ import annotations
@@ -15,27 +16,25 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import json
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from grouprl import algorithms
-from grouprl.config import ActorConfig, Config, ConfigError, redacted, save_config, write_text_atomic
+from grouprl.config import ActorConfig, Config, ConfigError
+from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
-from grouprl.trainer import checkpoint as ckpt
-from grouprl.trainer.logging import MetricsLogger, RolloutWriter, truncate_jsonl
-from grouprl.trainer.metrics import SchemaFile, StepMetrics
-from grouprl.trainer.parallel import full_named_parameters, full_state_dicts
+from grouprl.trainer.loop import StepResult, TrainingLoop
+from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.parallel import full_named_parameters
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
+from grouprl.trainer.reward_metrics import join_results, record_rewards
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
-
 
 
 def build_rewards(config: Config):
@@ -68,21 +67,6 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
     columns["answer"] = [s.answer for s in batch.samples]
     columns.update(batch.extras)
     return columns
-
-
-def record_rewards(metrics: StepMetrics, result, keys: list[str], prefix: str = "") -> None:
-    """Reward statistics under a fixed schema: every component's keys, applicable to any row or not.
-
-    ``rewards/{key}/mean`` and ``/std`` over the rows where the component applies
-    (NaN where it applies to none, on every process), ``rewards/{key}/applicable_frac``,
-    and ``reward/mean`` / ``reward/std`` of the weighted total.
-    """
-    n = len(result.total)
-    for key in keys:
-        values = [v for v in result.components.get(key, []) if v is not None]
-        metrics.moments(f"{prefix}rewards/{key}", values)
-        metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
-    metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
 
 
 def policy_loss_options(name: str, actor: ActorConfig) -> dict:
@@ -157,7 +141,73 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(torch.where(mask, values, torch.zeros_like(values)).sum() / total) if total else 0.0
 
 
-class GRPOTrainer:
+def micro_batches(prompts: list, rows: int | None, n: int) -> list[list]:
+    """The prompts of each rollout micro-batch: ``rows`` responses (``n`` per prompt) each, all at once if None."""
+    per_part = max(1, (rows or len(prompts) * n) // n)
+    return [prompts[i:i + per_part] for i in range(0, len(prompts), per_part)]
+
+
+def earliest_groups(batches: list[RolloutBatch], take: int, *, pad_token_id: int) -> RolloutBatch:
+    """The rows of the first ``take`` groups of ``batches`` (kept in dynamic sampling's rounds), as one batch."""
+    batch = RolloutBatch.concat(batches, pad_token_id=pad_token_id)
+    groups = batch.group_index.unique()[:take]
+    return batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
+
+
+Transformed = list[tuple[object, dict]]  # (rollout transform or dialogue runner, the metrics it reported)
+
+
+class RoundScoring:
+    """Transforms and scores one round's rollout micro-batches as they are generated.
+
+    In line (``overlap`` False): once the round is complete, its micro-batches are joined and
+    the transforms and rewards see the whole round. Overlapped (async_reward, one_step_off):
+    each micro-batch is transformed as it arrives and scored in a worker thread while the next
+    one generates, so that slow rewards (a reward server, a judge model) hide behind
+    generation; the transforms must then work group by group. ``score_s`` adds up the seconds
+    spent scoring.
+    """
+
+    def __init__(self, transform: Callable[[RolloutBatch, Transformed], tuple[RolloutBatch, Transformed]],
+                 score: Callable[[RolloutBatch], RewardResult], *, overlap: bool, pad_token_id: int):
+        self.transform, self._score, self.pad_token_id = transform, score, pad_token_id
+        self.score_s = 0.0
+        self._parts: list[tuple[RolloutBatch, Transformed]] = []
+        self._scoring: list[concurrent.futures.Future] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rewards") if overlap else None
+
+    def __enter__(self) -> "RoundScoring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def score(self, batch: RolloutBatch) -> RewardResult:
+        t0 = time.perf_counter()
+        result = self._score(batch)
+        self.score_s += time.perf_counter() - t0
+        return result
+
+    def add(self, batch: RolloutBatch, transformed: Transformed) -> None:
+        """One generated micro-batch, with what its dialogue runner reported."""
+        if self._pool is None:
+            self._parts.append((batch, transformed))
+            return
+        batch, transformed = self.transform(batch, transformed)
+        self._parts.append((batch, transformed))
+        self._scoring.append(self._pool.submit(self.score, batch))  # scores while the next one generates
+
+    def scored(self) -> list[tuple[RolloutBatch, Transformed, RewardResult]]:
+        """(batch, its transforms' metrics, its rewards) of each part scored: the round, or each micro-batch."""
+        if self._pool is None:
+            joined = RolloutBatch.concat([b for b, _ in self._parts], pad_token_id=self.pad_token_id)
+            batch, transformed = self.transform(joined, [pair for _, pairs in self._parts for pair in pairs])
+            return [(batch, transformed, self.score(batch))]
+        return [(b, t, f.result()) for (b, t), f in zip(self._parts, self._scoring)]
+
+
+class GRPOTrainer(TrainingLoop):
     """Trains a policy with a group-relative algorithm chosen by the config.
 
     ``rollout_transforms`` run on every RolloutBatch after generation and before
@@ -172,10 +222,8 @@ class GRPOTrainer:
 
         from grouprl.data import load_datasets
 
-        self.config = config
         t, actor, roll = config.trainer, config.worker.actor, config.worker.rollout
         set_seed(t.seed)  # before the policy is built: LoRA adapters are initialised at random
-        self.run_dir = config.run_dir
         if train_dataset is None:
             train_dataset, loaded_val = load_datasets(config.data)
             val_dataset = val_dataset if val_dataset is not None else loaded_val
@@ -184,21 +232,19 @@ class GRPOTrainer:
         self.rollout_transforms = list(rollout_transforms or [])
 
         trained = setup_policy(actor, t)
-        self.accelerator = trained.accelerator
+        accelerator = trained.accelerator
         self.model, self.policy, self.processor = trained.model, trained.policy, trained.processor
         self.is_vlm, self.precision, self.sharded = trained.is_vlm, trained.precision, trained.sharded
-        self.is_main = self.accelerator.is_main_process
-        self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
+        stream = PromptStream(train_dataset, config.data.rollout_batch_size, seed=config.data.seed,
+                              shuffle=config.data.shuffle, rank=accelerator.process_index,
+                              world_size=accelerator.num_processes)
+        super().__init__(config, accelerator=accelerator, stream=stream)
         self.uses_lora = actor.model.lora.rank > 0
         self.ref_model = None
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
             # with LoRA the reference is the policy with adapters off: no second copy
             self.ref_model = self._frozen_copy(config.worker.ref.model_path or actor.model.model_path)
 
-        world = self.accelerator.num_processes
-        self.stream = PromptStream(train_dataset, config.data.rollout_batch_size, seed=config.data.seed,
-                                   shuffle=config.data.shuffle, rank=self.accelerator.process_index, world_size=world)
-        self.total_steps = t.max_steps or t.total_epochs * self.stream.batches_per_epoch
         self.optimizer = build_optimizer(self.model, actor)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
         self.update_settings = UpdateSettings(
@@ -233,10 +279,6 @@ class GRPOTrainer:
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
-        self.state = ckpt.TrainerState()
-        self._pending = None  # one_step_off: (step, future of that step's rollout)
-        self._consumed_stream = self.stream.state()  # the data position of the last batch trained on
-        self._background = None
 
     def _multiturn(self):
         """Guided-GRPO's verifier-guided dialogues (``worker.rollout.verifier``), or None."""
@@ -281,6 +323,172 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ rollout
 
+    def on_resume(self) -> None:
+        self._sync_rollout_weights()
+
+    def run_info_extras(self) -> dict:
+        return {"strategy": self.config.worker.actor.strategy,
+                "rollout_weights": "copy" if self.engine.holds_weights else "policy"}
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int) -> StepResult:
+        """One training step on this process; its metrics are not yet reduced across processes."""
+        cfg, algo = self.config, self.config.algorithm
+        metrics = StepMetrics()
+        t0 = time.perf_counter()
+        # 1. the batch: generated and scored now, or (one_step_off) during the last step's update
+        stale = self.prefetcher.holds(step)
+        batch = self.prefetcher.take(metrics) if stale else self.rollout(step, metrics)
+        self.rollout_taken(step, metrics, stale=stale)
+        t_rollout = time.perf_counter() - t0
+        # every process takes this branch together: dynamic sampling agrees on the count
+        metrics.mean("actor/skipped_step", float(batch is None))
+        metrics.mean("actor/lr", self.scheduler.get_last_lr()[0])
+        if batch is None:  # every group had zero reward spread, even after the extra rounds
+            with warnings.catch_warnings():
+                # the schedule counts training steps, taken or skipped; torch warns when the
+                # first one is skipped, before any optimizer step
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                self.scheduler.step()
+            self.prefetcher.wait(metrics)
+            return StepResult(metrics)
+
+        # 2. old and reference log-probs; the sampler's mismatch corrected
+        kl_on = algo.kl_coef > 0
+        kl_in_reward = kl_on and not algo.use_kl_loss
+        settings = self.update_settings
+        # With one update per rollout the sampling policy is the one being trained, so
+        # its log-probs come for free from the update's own forward (ratio exactly 1).
+        # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
+        on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
+        t_log_probs = time.perf_counter()
+        if not on_policy or kl_in_reward or self.correct_rollout:
+            batch.old_log_probs = self._log_probs(self.model, batch)
+        if self.correct_rollout:
+            self._correct_rollout(batch, metrics)
+        if kl_on:
+            batch.ref_log_probs = self._reference_log_probs(batch)
+        metrics.max("timing/log_probs_s", time.perf_counter() - t_log_probs)
+
+        # 3. advantages, from the scores less the KL penalty when it is in the reward
+        token_rewards = None
+        if kl_in_reward:
+            kl = algorithms.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_penalty,
+                                       response_mask=batch.loss_mask)
+            token_rewards = -algo.kl_coef * kl
+            metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
+        batch.advantages = self._advantages(batch.scores, batch, token_rewards)
+
+        # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
+        # meanwhile, unless it is generating the next batch (one_step_off)
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
+        sleeping = self.engine.supports_sleep and not self.prefetcher.running
+        if sleeping:
+            self.engine.sleep()
+        t_update = time.perf_counter()
+        self.state.optimizer_steps += run_update(
+            self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
+            accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
+        self.scheduler.step()
+        metrics.max("timing/update_s", time.perf_counter() - t_update)
+
+        # 5. the engine's weights follow, once it is done generating the next batch
+        self.prefetcher.wait(metrics)
+        t_sync = time.perf_counter()
+        self._sync_rollout_weights()
+        if sleeping:
+            self.engine.wake_up()
+        metrics.max("timing/weight_sync_s", time.perf_counter() - t_sync)
+
+        # 6. what was trained on, for the logs
+        self._batch_metrics(batch, metrics)
+        metrics.max("timing/step_s", time.perf_counter() - t0)
+        metrics.max("timing/rollout_s", t_rollout)
+        metrics.sum("perf/tokens", float(batch.response_mask.sum() + batch.prompt_mask.sum()))
+        metrics.sum("perf/samples", float(len(batch)))
+        log = cfg.trainer
+        return StepResult(metrics, batch=batch,
+                          records=self.rollout_records(batch) if log.log_rollouts else None,
+                          completions=self.completion_records(batch) if log.log_completions else None)
+
+    def rollout(self, step: int, metrics: StepMetrics) -> RolloutBatch | None:
+        """Generate, transform and score this step's batch; None when dynamic sampling kept no group.
+
+        A round draws a batch of prompts and generates it a rollout micro-batch
+        (``worker.rollout.micro_batch_size`` rows) at a time, each with a seed of its own, so
+        that every async mode samples the same responses; transforms and rewards take each
+        micro-batch as it comes (async modes) or the whole round (sync), see ``RoundScoring``.
+        Without dynamic sampling a step is one round. With it (DAPO,
+        ``algorithm.online_filtering``) only groups whose rewards differ are kept, and rounds
+        of new prompts are drawn until every process has its share of groups (or the extra
+        rounds run out); then every process keeps the same number of groups, the fewest any
+        process found, so all take the same number of optimizer steps. Groups found beyond
+        that are dropped and counted (``dynamic_sampling/unused_groups``).
+        """
+        algo, async_mode = self.config.algorithm, self.config.trainer.async_mode
+        params = self._sampling(step)
+        pad = self.engine.pad_token_id
+        wanted = self.config.data.rollout_batch_size // self.accelerator.num_processes
+        kept: list[RolloutBatch] = []
+        kept_groups = rounds = 0
+        spent = {"generate": 0.0, "reward": 0.0}
+        try:
+            while True:
+                chunks = micro_batches(self.stream.next_batch(), self.config.worker.rollout.micro_batch_size, params.n)
+                overlap = async_mode != "sync" and len(chunks) > 1
+                with RoundScoring(self._transform, self._score, overlap=overlap, pad_token_id=pad) as scoring:
+                    for k, chunk in enumerate(chunks):
+                        # a seed per micro-batch, and per round: an extra round's samples are independent too
+                        sampling = replace(params, seed=params.seed + 7919 * rounds + 104_729 * k)
+                        t0 = time.perf_counter()
+                        if self.multiturn is not None:
+                            batch = self.multiturn.generate(self.engine, chunk, sampling)
+                        else:
+                            batch = self.engine.generate(chunk, sampling)
+                        spent["generate"] += time.perf_counter() - t0
+                        scoring.add(batch, [(self.multiturn, dict(self.multiturn.last_metrics))] if self.multiturn
+                                    else [])
+                    scored = scoring.scored()
+                spent["reward"] += scoring.score_s
+                if rounds == 0:  # what the policy produced, before any filtering
+                    for part, transformed, result in scored:
+                        self._record_rollout(part, result, transformed, metrics)
+                batch = RolloutBatch.concat([part for part, _, _ in scored], pad_token_id=pad)
+                if not algo.online_filtering:
+                    return batch
+                keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
+                if keep.any():
+                    part = batch.select(keep.nonzero().squeeze(-1))
+                    kept.append(part)
+                    kept_groups += int(part.group_index.unique().numel())
+                rounds += 1
+                # the same decision on every process: they draw the same number of prompt batches
+                fewest = self._fewest_over_processes(kept_groups)
+                if fewest >= wanted or rounds > algo.max_filter_rounds:
+                    break
+        finally:
+            # a process's own seconds over all rounds; scoring overlaps generation in the
+            # asynchronous modes, so the two may add up to more than the rollout took
+            metrics.max("timing/generate_s", spent["generate"])
+            metrics.max("timing/reward_s", spent["reward"])
+        take = min(fewest, wanted)
+        metrics.max("dynamic_sampling/rounds", rounds)
+        metrics.sum("dynamic_sampling/kept_groups", take)
+        metrics.sum("dynamic_sampling/unused_groups", kept_groups - take)
+        return earliest_groups(kept, take, pad_token_id=pad) if take else None
+
+    def rollout_ahead(self, step: int, metrics: StepMetrics) -> RolloutBatch | None:
+        # its own CUDA stream, so that generation kernels can run beside the update's
+        stream = torch.cuda.Stream() if self.accelerator.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            batch = self.rollout(step, metrics)
+        if stream is not None:
+            stream.synchronize()
+        return batch
+
+    # ------------------------------------------------------------------ rollout parts
+
     def _sampling(self, step: int, *, validation: bool = False):
         from grouprl.rollout.engine import SamplingParams
 
@@ -296,6 +504,13 @@ class GRPOTrainer:
             seed=seed,
             return_log_probs=(self.config.trainer.log_completions or self.correct_rollout) and not validation,
         )
+
+    def _transform(self, batch: RolloutBatch, transformed: Transformed) -> tuple[RolloutBatch, Transformed]:
+        """The rollout transforms in order, each one's metrics added to ``transformed``."""
+        for t in self.rollout_transforms:
+            batch = t(batch)
+            transformed.append((t, dict(getattr(t, "last_metrics", {}))))
+        return batch, transformed
 
     def _score(self, batch: RolloutBatch):
         """Rewards, overlong shaping and truncation masking, in place; returns the RewardResult."""
@@ -340,123 +555,12 @@ class GRPOTrainer:
                 count = int(mask.sum())
                 metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
 
-    def _generate_and_score(self, prompts: list, params, metrics: StepMetrics, spent: dict[str, float], *,
-                            record: bool = True) -> RolloutBatch:
-        """Generate, transform and score one round's prompts, ``worker.rollout.micro_batch_size`` rows at a time.
-
-        sync: every micro-batch is generated, then the transforms and rewards see the
-        whole batch. async_reward (and one_step_off): each micro-batch is transformed
-        and handed to a worker thread for scoring while the next one generates, so
-        slow rewards (a reward server, a judge model) overlap generation; transforms
-        must then work group by group. The micro-batches are generated with the same
-        seeds either way, so both modes sample the same responses. ``record`` (the first
-        round of a step) logs what was sampled; ``spent`` adds up the seconds spent
-        generating and scoring over the rounds.
-        """
-        n = params.n
-        per_chunk = max(1, (self.config.worker.rollout.micro_batch_size or len(prompts) * n) // n)
-        chunks = [prompts[i:i + per_chunk] for i in range(0, len(prompts), per_chunk)]
-
-        def generate(k: int) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
-            """Micro-batch k, with the dialogue runner's metrics when a verifier is on."""
-            t0 = time.perf_counter()
-            batch = self._sample(chunks[k], replace(params, seed=params.seed + 104_729 * k))
-            spent["generate"] += time.perf_counter() - t0
-            return batch, [(self.multiturn, dict(self.multiturn.last_metrics))] if self.multiturn else []
-
-        def score(batch: RolloutBatch):
-            t0 = time.perf_counter()
-            result = self._score(batch)
-            spent["reward"] += time.perf_counter() - t0
-            return result
-
-        def transform(batch: RolloutBatch, transformed: list) -> tuple[RolloutBatch, list[tuple[object, dict]]]:
-            for t in self.rollout_transforms:
-                batch = t(batch)
-                transformed.append((t, dict(getattr(t, "last_metrics", {}))))
-            return batch, transformed
-
-        pad = self.engine.pad_token_id
-        if self.config.trainer.async_mode == "sync" or len(chunks) == 1:
-            generated = [generate(k) for k in range(len(chunks))]
-            batch, transformed = transform(RolloutBatch.concat([b for b, _ in generated], pad_token_id=pad),
-                                           [pair for _, pairs in generated for pair in pairs])
-            result = score(batch)
-            if record:
-                self._record_rollout(batch, result, transformed, metrics)
-            return batch
-        parts, scoring = [], []
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rewards") as pool:
-            for k in range(len(chunks)):
-                batch, transformed = transform(*generate(k))
-                parts.append((batch, transformed))
-                scoring.append(pool.submit(score, batch))  # scores while the next chunk generates
-            results = [f.result() for f in scoring]
-        if record:
-            for (batch, transformed), result in zip(parts, results):
-                self._record_rollout(batch, result, transformed, metrics)
-        return RolloutBatch.concat([batch for batch, _ in parts], pad_token_id=pad)
-
-    def _sample(self, samples: list, params, *, validation: bool = False) -> RolloutBatch:
-        """One engine call, or, with a verifier, the dialogues that start from it."""
-        if self.multiturn is not None:
-            return self.multiturn.generate(self.engine, samples, params, validation=validation)
-        return self.engine.generate(samples, params)
-
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.accelerator.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t)
-
-    def rollout(self, step: int, metrics: StepMetrics) -> RolloutBatch | None:
-        """Generate, transform and score one step's batch, with DAPO dynamic sampling when on.
-
-        Dynamic sampling keeps groups whose rewards differ and draws more prompts until
-        every process has its share of groups (or the extra rounds run out); then every
-        process keeps the same number of groups, the fewest any process found, so all
-        take the same number of optimizer steps. Groups found beyond that are dropped
-        and counted (``dynamic_sampling/unused_groups``).
-        """
-        algo = self.config.algorithm
-        params = self._sampling(step)
-        wanted = self.config.data.rollout_batch_size // self.accelerator.num_processes
-        kept: list[RolloutBatch] = []
-        kept_groups = rounds = 0
-        spent = {"generate": 0.0, "reward": 0.0}
-        try:
-            while True:
-                prompts = self.stream.next_batch()
-                # each extra round draws new prompts; a new seed keeps its samples independent too
-                batch = self._generate_and_score(prompts, replace(params, seed=params.seed + 7919 * rounds),
-                                                 metrics, spent, record=rounds == 0)
-                if not algo.online_filtering:
-                    return batch
-                keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
-                if keep.any():
-                    part = batch.select(keep.nonzero().squeeze(-1))
-                    kept.append(part)
-                    kept_groups += int(part.group_index.unique().numel())
-                rounds += 1
-                # the same decision on every process: they draw the same number of prompt batches
-                fewest = self._fewest_over_processes(kept_groups)
-                if fewest >= wanted or rounds > algo.max_filter_rounds:
-                    break
-        finally:
-            # a process's own seconds over all rounds; scoring overlaps generation in the
-            # asynchronous modes, so the two may add up to more than the rollout took
-            metrics.max("timing/generate_s", spent["generate"])
-            metrics.max("timing/reward_s", spent["reward"])
-        take = min(fewest, wanted)
-        metrics.max("dynamic_sampling/rounds", rounds)
-        metrics.sum("dynamic_sampling/kept_groups", take)
-        metrics.sum("dynamic_sampling/unused_groups", kept_groups - take)
-        if take == 0:
-            return None
-        batch = RolloutBatch.concat(kept, pad_token_id=self.engine.pad_token_id)
-        groups = batch.group_index.unique()[:take]  # the earliest groups
-        return batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
 
     # ------------------------------------------------------------------ log-probs
 
@@ -485,54 +589,6 @@ class GRPOTrainer:
         with self.policy.disable_adapter():
             return self._log_probs(self.model, batch)
 
-    # ------------------------------------------------------------------ one-step-off pipeline
-
-    def _next_rollout(self, step: int, metrics: StepMetrics) -> tuple[RolloutBatch | None, bool]:
-        """This step's scored batch, and whether it was sampled before the last update (one_step_off).
-
-        In one_step_off mode the batch of step k+1 is generated and scored in a worker
-        thread, by the engine's copy of the weights from before step k's update, while
-        step k trains; the first step (and the first after a resume) generates in line.
-        """
-        if self.config.trainer.async_mode != "one_step_off":
-            batch = self.rollout(step, metrics)
-            self._consumed_stream = self.stream.state()
-            return batch, False
-        stale = self._pending is not None and self._pending[0] == step
-        if stale:
-            t0 = time.perf_counter()
-            batch, rollout_metrics = self._pending[1].result()
-            metrics.max("timing/rollout_wait_s", time.perf_counter() - t0)
-            metrics.merge(rollout_metrics)
-        else:
-            batch = self.rollout(step, metrics)
-        self._pending = None
-        metrics.mean("async/staleness_steps", float(stale))
-        # what a checkpoint after this step must record: the next batch is drawn in the background
-        self._consumed_stream = self.stream.state()
-        if step < self.total_steps:
-            if self._background is None:
-                self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grouprl-rollout")
-            self._pending = (step + 1, self._background.submit(self._rollout_in_background, step + 1))
-        return batch, stale
-
-    def _rollout_in_background(self, step: int) -> tuple[RolloutBatch | None, StepMetrics]:
-        metrics = StepMetrics()
-        stream = torch.cuda.Stream() if self.accelerator.device.type == "cuda" else None
-        # its own CUDA stream, so that generation kernels can run beside the update's
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            batch = self.rollout(step, metrics)
-        if stream is not None:
-            stream.synchronize()
-        return batch, metrics
-
-    def _finish_pending(self, metrics: StepMetrics) -> None:
-        """Wait until the next step's rollout, if one is being generated, is done with the engine."""
-        if self._pending is not None:
-            t0 = time.perf_counter()
-            concurrent.futures.wait([self._pending[1]])
-            metrics.max("timing/rollout_overhang_s", time.perf_counter() - t0)
-
     def _correct_rollout(self, batch: RolloutBatch, metrics: StepMetrics) -> None:
         """Importance weights between the trainer's old log-probs and the sampler's, with their mismatch logged."""
         if batch.rollout_log_probs is None:
@@ -550,77 +606,7 @@ class GRPOTrainer:
         for key, (value, weight) in stats.items():
             metrics.mean(key, value, weight)
 
-    # ------------------------------------------------------------------ one step
-
-    def step(self, step: int) -> StepMetrics:
-        """One training step on this process; returns its metrics, not yet reduced across processes."""
-        cfg, algo = self.config, self.config.algorithm
-        metrics = StepMetrics()
-        t0 = time.perf_counter()
-        self._last_batch = None
-        batch, stale = self._next_rollout(step, metrics)
-        t_rollout = time.perf_counter() - t0
-        # every process takes this branch together: dynamic sampling agrees on the count
-        metrics.mean("actor/skipped_step", float(batch is None))
-        metrics.mean("actor/lr", self.scheduler.get_last_lr()[0])
-        if batch is None:  # every group had zero reward spread, even after the extra rounds
-            with warnings.catch_warnings():
-                # the schedule counts training steps, taken or skipped; torch warns when the
-                # first one is skipped, before any optimizer step
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-                self.scheduler.step()
-            self._finish_pending(metrics)
-            return metrics
-
-        kl_on = algo.kl_coef > 0
-        kl_in_reward = kl_on and not algo.use_kl_loss
-        settings = self.update_settings
-        # With one update per rollout the sampling policy is the one being trained, so
-        # its log-probs come for free from the update's own forward (ratio exactly 1).
-        # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
-        on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
-        t_log_probs = time.perf_counter()
-        if not on_policy or kl_in_reward or self.correct_rollout:
-            batch.old_log_probs = self._log_probs(self.model, batch)
-        if self.correct_rollout:
-            self._correct_rollout(batch, metrics)
-        if kl_on:
-            batch.ref_log_probs = self._reference_log_probs(batch)
-        metrics.max("timing/log_probs_s", time.perf_counter() - t_log_probs)
-
-        token_rewards = None
-        if kl_in_reward:
-            kl = algorithms.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_penalty,
-                                       response_mask=batch.loss_mask)
-            token_rewards = -algo.kl_coef * kl
-            metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
-        batch.advantages = self._advantages(batch.scores, batch, token_rewards)
-
-        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
-        # an engine with accelerator memory of its own (vLLM) gives it up while the update runs,
-        # unless it is generating the next batch meanwhile (one_step_off)
-        sleeping = self.engine.supports_sleep and self._pending is None
-        if sleeping:
-            self.engine.sleep()
-        t_update = time.perf_counter()
-        run_update(self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
-                   accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
-        self.scheduler.step()
-        metrics.max("timing/update_s", time.perf_counter() - t_update)
-        self._finish_pending(metrics)  # the engine must be idle before its weights change
-        t_sync = time.perf_counter()
-        self._sync_rollout_weights()
-        if sleeping:
-            self.engine.wake_up()
-        metrics.max("timing/weight_sync_s", time.perf_counter() - t_sync)
-        self._batch_metrics(batch, metrics)
-        elapsed = time.perf_counter() - t0
-        metrics.max("timing/step_s", elapsed)
-        metrics.max("timing/rollout_s", t_rollout)
-        metrics.sum("perf/tokens", float(batch.response_mask.sum() + batch.prompt_mask.sum()))
-        metrics.sum("perf/samples", float(len(batch)))
-        self._last_batch = batch
-        return metrics
+    # ------------------------------------------------------------------ advantages, metrics, records
 
     def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards) -> torch.Tensor:
         algo = self.config.algorithm
@@ -705,143 +691,34 @@ class GRPOTrainer:
             })
         return records
 
-    def _gather_records(self, records: list[dict]) -> list[dict]:
-        """Every process's records, in process order, on every process (for the main one to write)."""
-        if self.accelerator.num_processes == 1:
-            return records
-        from accelerate.utils import gather_object
-
-        return gather_object(records)
 
     # ------------------------------------------------------------------ validation
 
     @torch.no_grad()
-    def validate(self, step: int) -> StepMetrics:
+    def validate(self, step: int) -> StepResult | None:
         """Greedy (by default) responses to this process's share of the validation set, scored.
 
         A process may get no validation sample (fewer samples than processes): it still
-        reports every key, with no weight.
+        reports every key, with no weight. None without a validation set.
         """
-        metrics = StepMetrics()
         if self.val_dataset is None or len(self.val_dataset) == 0:
-            return metrics
+            return None
+        metrics = StepMetrics()
         params = self._sampling(step, validation=True)
         size = self.config.data.val_batch_size
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         indices = list(range(len(self.val_dataset)))[rank::world]
-        totals, components, records = [], {k: [] for k in self.rewards.keys}, []
+        results, records = [], []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
-            batch = self._sample(samples, params, validation=True)  # no reference for a verifier
+            if self.multiturn is not None:  # the verifier sees no reference in validation
+                batch = self.multiturn.generate(self.engine, samples, params, validation=True)
+            else:
+                batch = self.engine.generate(samples, params)
             result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses,
                                         reward_columns(batch), allow_unscored=True)
-            totals.extend(result.total)
-            for k, v in result.components.items():
-                components[k].extend(v)
+            results.append(result)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))
-        from grouprl.rewards import RewardResult
-
-        record_rewards(metrics, RewardResult(components=components, total=totals, weights=self.rewards.weights),
-                       self.rewards.keys)
-        records = self._gather_records(records)
-        if self.is_main and records:
-            RolloutWriter(self.run_dir / "val_generations.jsonl").write(step, records[: self.config.trainer.val_generations_to_log])
-        return metrics
-
-    # ------------------------------------------------------------------ the loop
-
-    def _resume(self) -> bool:
-        """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
-        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
-        if path is None:
-            return False
-        self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
-                                             process_index=self.accelerator.process_index,
-                                             num_processes=self.accelerator.num_processes)
-        self.stream.load_state(self.state.extra["stream"])
-        self._consumed_stream = self.stream.state()
-        self._sync_rollout_weights()
-        self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
-        return True
-
-    def save(self) -> Path | None:
-        """Write a checkpoint (every process takes part; the main one writes)."""
-        from accelerate.utils import gather_object
-
-        # the position after the last batch trained on (one_step_off may have drawn the next already)
-        self.state.extra["stream"] = dict(self._consumed_stream)
-        model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
-        rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
-        path = None
-        if self.is_main:
-            path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, optimizer_state,
-                                        self.scheduler, processor=self.processor,
-                                        save_limit=self.config.trainer.save_limit, rng_states=rng_states,
-                                        model_state_dict=model_state)
-        self.accelerator.wait_for_everyone()
-        return path
-
-    def run_info(self) -> dict:
-        """How this run is laid out (written to ``run_info.json``): processes, strategy, precision."""
-        return {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
-                "strategy": self.config.worker.actor.strategy, "precision": self.precision.describe(),
-                "rollout_weights": "copy" if self.engine.holds_weights else "policy"}
-
-    def _reduce(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
-        """Every process's metrics combined; the main process records each key's kind in metrics_schema.json."""
-        self.schema_file.record(metrics, prefix)
-        values = metrics.reduce(self.accelerator)
-        # rates from totals over all processes and the slowest process's time
-        if "perf/tokens" in values and values.get("timing/step_s"):
-            values["perf/tokens_per_s"] = values.pop("perf/tokens") / values["timing/step_s"]
-            values["perf/samples_per_s"] = values.pop("perf/samples") / values["timing/step_s"]
-        return values
-
-    def train(self) -> dict[str, float]:
-        t = self.config.trainer
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(self.config, self.run_dir / "config.yaml")
-            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
-        resume_step = self.state.global_step if self._resume() else None
-        if self.is_main and resume_step is not None:
-            # what a killed run wrote after its last checkpoint is written again below
-            truncate_jsonl(self.run_dir / "val_generations.jsonl", resume_step)
-        self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=redacted(self.config),
-                                    project=t.project_name, experiment=t.experiment_name, enabled=self.is_main,
-                                    initial_step=self.state.global_step, resume_step=resume_step)
-        rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=self.is_main and t.log_rollouts,
-                                 resume_step=resume_step)
-        completions = RolloutWriter(self.run_dir / "completions.jsonl", enabled=self.is_main and t.log_completions,
-                                    resume_step=resume_step)
-        last: dict[str, float] = {}
-        try:
-            if t.val_before_train and self.state.global_step == 0:
-                self.logger.log(0, self._reduce(self.validate(0), "val/"), prefix="val/")
-            while self.state.global_step < self.total_steps:
-                step = self.state.global_step + 1
-                metrics = self._reduce(self.step(step))
-                self.state.global_step = step
-                self.state.epoch = self.stream.epoch
-                self.logger.log(step, metrics)
-                last = metrics
-                batch = getattr(self, "_last_batch", None)
-                if t.log_rollouts and batch is not None:
-                    rollouts.write(step, self._gather_records(self.rollout_records(batch)))
-                if t.log_completions and batch is not None:
-                    completions.write(step, self._gather_records(self.completion_records(batch)))
-                if t.val_freq > 0 and step % t.val_freq == 0:
-                    self.logger.log(step, self._reduce(self.validate(step), "val/"), prefix="val/")
-                if t.save_freq > 0 and step % t.save_freq == 0:
-                    self.save()
-            if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
-                self.save()
-        finally:
-            if self._background is not None:
-                self._background.shutdown(wait=True, cancel_futures=True)
-                self._background, self._pending = None, None
-            rollouts.close()
-            completions.close()
-            self.logger.close()
-        return last
+        record_rewards(metrics, join_results(results, self.rewards.keys, self.rewards.weights), self.rewards.keys)
+        return StepResult(metrics, records=records)

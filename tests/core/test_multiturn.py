@@ -239,7 +239,7 @@ def test_guided_training_logs_dialogues(arithmetic, tmp_path, scope):
         assert r["dialogue"][0]["role"] == "assistant" and len(r["spans"]) >= 1
         assert r["num_turns"] == sum(m["role"] == "assistant" for m in r["dialogue"])
         assert 0.0 <= r["verifier_hallucination_score"] <= 1.0
-    batch = trainer._last_batch
+    batch = trainer.last_step.batch
     assert bool((batch.loss_mask <= batch.policy_mask).all())
     if scope == "full_turn" and max(batch.extras["num_turns"]) > 1:
         assert bool((batch.response_mask.sum(-1) > batch.policy_mask.sum(-1)).any())  # verifier text, no loss

@@ -162,7 +162,7 @@ def test_one_step_off_samples_the_next_batch_during_the_update(tiny_flow, prompt
     real_sample = flow_trainer.sample
 
     def watched_sample(model, *args, **kwargs):
-        if threading.current_thread().name.startswith("grouprl-flow-rollout"):
+        if threading.current_thread().name.startswith("grouprl-rollout"):
             assert model is trainer.sampler
             background.append(1)
             if len(background) % 3 == 1:  # the first of the 3 micro-batches of background rollout j

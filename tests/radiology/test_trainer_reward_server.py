@@ -119,7 +119,7 @@ def test_rows_no_reward_applies_to_are_left_out_and_counted(setup, live_server, 
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["reward/unscored_rows"] == 2  # the n=2 responses to the study without a reference
     assert metrics["rewards/reward_server/applicable_frac"] == pytest.approx(6 / 8)
-    batch = trainer._last_batch
+    batch = trainer.last_step.batch
     unscored = [i for i, r in enumerate(batch.reward_components["reward_server"]) if r is None]
     assert len(unscored) == 2 and not batch.loss_mask[unscored].any()  # not trained on
     assert batch.loss_mask[[i for i in range(len(batch)) if i not in unscored]].any()

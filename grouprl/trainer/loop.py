@@ -1,0 +1,331 @@
+"""The run loop every RL trainer shares: train, resume, save, metric reduction, writers, validation cadence.
+
+A trainer (``GRPOTrainer``, the flow trainer) implements one training step and its rollout;
+everything around the steps lives here once, so that language and image runs resume, save and
+log the same way. ``TrainingLoop.train`` runs these stages:
+
+    1. config.yaml and run_info.json (main process)
+    2. resume from ``trainer.resume``; the writers cut their files back to the resumed step
+    3. validation before training (``trainer.val_before_train``)
+    4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
+       loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
+       -> a checkpoint every ``trainer.save_freq`` steps
+    5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
+
+Hooks: a trainer implements ``step`` (returning a :class:`StepResult`), ``rollout`` (one step's
+batch, sampled now) and ``validate``; it may override ``rollout_ahead`` and
+``prepare_rollout_ahead`` (one_step_off), ``on_resume`` and ``run_info_extras``.
+
+Its step starts by taking its batch, the same three lines in every trainer::
+
+    stale = self.prefetcher.holds(step)
+    batch = self.prefetcher.take(metrics) if stale else self.rollout(step, metrics)
+    self.rollout_taken(step, metrics, stale=stale)
+
+so that with ``trainer.async_mode: one_step_off`` step k+1's batch is sampled in a worker
+thread (:class:`OneStepOffPrefetcher`) while step k trains, and in the other modes in line.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grouprl.config import redacted, save_config, write_text_atomic
+from grouprl.trainer import checkpoint as ckpt
+from grouprl.trainer.logging import MetricsLogger, RolloutWriter
+from grouprl.trainer.metrics import SchemaFile, StepMetrics
+from grouprl.trainer.parallel import full_state_dicts
+
+
+@dataclass
+class StepResult:
+    """What one training step (or one validation) produced on this process.
+
+    ``records``: the rows for rollouts.jsonl (from ``validate``: for val_generations.jsonl);
+    ``completions``: the rows for completions.jsonl. None where there is nothing to write; it
+    must be None on every process or on none, since writing gathers the rows from all of them.
+    ``batch``: what the step trained on, kept for inspection (``TrainingLoop.last_step``), or None.
+    """
+
+    metrics: StepMetrics
+    records: list[dict] | None = None
+    completions: list[dict] | None = None
+    batch: Any = None
+
+
+class OneStepOffPrefetcher:
+    """Samples step k+1's batch in a worker thread while step k trains (``trainer.async_mode: one_step_off``).
+
+    At most one rollout is ahead. The worker runs with a StepMetrics of its own, which
+    :meth:`take` merges into the metrics of the step that trains on the batch.
+    """
+
+    def __init__(self, thread_name: str = "grouprl-rollout"):
+        self.thread_name = thread_name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
+
+    def holds(self, step: int) -> bool:
+        """Whether step ``step``'s batch has been started ahead (then :meth:`take` it)."""
+        return self._pending is not None and self._pending[0] == step
+
+    @property
+    def running(self) -> bool:
+        """Whether a rollout was started and not yet taken (the sampler may be busy)."""
+        return self._pending is not None
+
+    def start(self, step: int, rollout: Callable[[int, StepMetrics], Any]) -> None:
+        """Run ``rollout(step, metrics)`` in the worker thread."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.thread_name)
+        self._pending = (step, self._pool.submit(self._run, rollout, step))
+
+    @staticmethod
+    def _run(rollout, step: int) -> tuple[Any, StepMetrics]:
+        metrics = StepMetrics()
+        return rollout(step, metrics), metrics
+
+    def take(self, metrics: StepMetrics) -> Any:
+        """The batch started ahead, once done; its metrics and the wait (``timing/rollout_wait_s``) go to ``metrics``."""
+        t0 = time.perf_counter()
+        batch, ahead = self._pending[1].result()
+        metrics.max("timing/rollout_wait_s", time.perf_counter() - t0)
+        metrics.merge(ahead)
+        self._pending = None
+        return batch
+
+    def wait(self, metrics: StepMetrics) -> None:
+        """Block until the rollout under way, if any, is done with the sampler (before its weights change);
+        the wait is ``timing/rollout_overhang_s``."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            concurrent.futures.wait([self._pending[1]])
+            metrics.max("timing/rollout_overhang_s", time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool, self._pending = None, None
+
+
+@dataclass
+class _Writers:
+    """The run's output files other than checkpoints, opened once per ``train``."""
+
+    metrics: MetricsLogger
+    rollouts: RolloutWriter
+    completions: RolloutWriter
+    val_generations: RolloutWriter
+
+    def close(self) -> None:
+        for writer in (self.rollouts, self.completions, self.val_generations, self.metrics):
+            writer.close()
+
+
+class TrainingLoop(abc.ABC):
+    """The stages of a run around a trainer's step (see the module docstring).
+
+    A subclass calls ``super().__init__`` once its accelerator and prompt stream exist, and sets
+    ``policy`` (the module checkpoints save), ``processor`` (saved beside it, or None),
+    ``optimizer``, ``scheduler`` and ``precision``.
+    """
+
+    def __init__(self, config, *, accelerator, stream):
+        t = config.trainer
+        self.config = config
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.run_dir = config.run_dir
+        self.stream = stream
+        self.total_steps = t.max_steps or t.total_epochs * stream.batches_per_epoch
+        self.state = ckpt.TrainerState()
+        self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
+        self.prefetcher = OneStepOffPrefetcher()  # started only under one_step_off
+        self.last_step: StepResult | None = None  # the last training step's result
+        self._consumed_stream = stream.state()  # the data position after the last batch trained on
+
+    # ------------------------------------------------------------------ hooks
+
+    @abc.abstractmethod
+    def step(self, step: int) -> StepResult:
+        """One training step on this process; its metrics are not yet reduced across processes."""
+
+    @abc.abstractmethod
+    def rollout(self, step: int, metrics: StepMetrics) -> Any:
+        """Step ``step``'s batch, its prompts drawn from ``self.stream``, sampled and scored now."""
+
+    @abc.abstractmethod
+    def validate(self, step: int) -> StepResult | None:
+        """Validation metrics and val_generations.jsonl rows; None when the run has no validation set."""
+
+    def rollout_ahead(self, step: int, metrics: StepMetrics) -> Any:
+        """Step ``step``'s batch, sampled in the prefetcher's thread while the previous step trains."""
+        return self.rollout(step, metrics)
+
+    def prepare_rollout_ahead(self) -> None:
+        """On the main thread, before the prefetcher starts: e.g. give the sampler the trained weights."""
+
+    def on_resume(self) -> None:
+        """After a checkpoint is loaded: e.g. give the rollout engine the restored weights."""
+
+    def run_info_extras(self) -> dict:
+        """What run_info.json says about this trainer beyond processes, device, precision and async mode."""
+        return {}
+
+    # ------------------------------------------------------------------ the step's batch
+
+    def rollout_taken(self, step: int, metrics: StepMetrics, *, stale: bool) -> None:
+        """The step has its batch: record the data position a checkpoint after this step resumes from,
+        and under one_step_off log the staleness and start sampling the next step's batch."""
+        self._consumed_stream = self.stream.state()
+        if self.config.trainer.async_mode != "one_step_off":
+            return
+        metrics.mean("async/staleness_steps", float(stale))
+        if step < self.total_steps:
+            self.prepare_rollout_ahead()
+            self.prefetcher.start(step + 1, self.rollout_ahead)
+
+    # ------------------------------------------------------------------ metrics and records
+
+    def reduce_metrics(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
+        """Every process's metrics combined; the main process records each key's kind in metrics_schema.json.
+
+        Counts under ``perf/`` (summed over processes) become rates, ``perf/{name}_per_s``, over
+        the slowest process's ``timing/step_s``.
+        """
+        self.schema_file.record(metrics, prefix)
+        values = metrics.reduce(self.accelerator)
+        step_s = values.get("timing/step_s")
+        if step_s:
+            for key in [k for k in values if k.startswith("perf/")]:
+                values[f"{key}_per_s"] = values.pop(key) / step_s
+        return values
+
+    def gather_records(self, records: list[dict]) -> list[dict]:
+        """Every process's records, in process order, on every process (for the main one to write)."""
+        if self.accelerator.num_processes == 1:
+            return records
+        from accelerate.utils import gather_object
+
+        return gather_object(records)
+
+    def run_info(self) -> dict:
+        """How this run is laid out (written to ``run_info.json``): processes, device, precision, async mode."""
+        return {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
+                "precision": self.precision.describe(), "async_mode": self.config.trainer.async_mode,
+                **self.run_info_extras()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def resume(self) -> bool:
+        """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
+        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
+        if path is None:
+            return False
+        self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
+                                             process_index=self.accelerator.process_index,
+                                             num_processes=self.accelerator.num_processes)
+        self.stream.load_state(self.state.extra["stream"])
+        self._consumed_stream = self.stream.state()
+        self.on_resume()
+        self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
+        return True
+
+    def save(self) -> Path | None:
+        """Write a checkpoint (every process takes part; the main one writes).
+
+        The model (if sharded) and the optimizer state are gathered whole, the optimizer's keyed
+        by parameter name, so a checkpoint loads on any number of processes; with them every
+        process's RNG state and the data position after the last batch trained on (one_step_off
+        may have drawn the next one already).
+        """
+        from accelerate.utils import gather_object
+
+        self.state.extra["stream"] = dict(self._consumed_stream)
+        model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
+        rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
+        path = None
+        if self.is_main:
+            path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, optimizer_state,
+                                        self.scheduler, processor=self.processor,
+                                        save_limit=self.config.trainer.save_limit, rng_states=rng_states,
+                                        model_state_dict=model_state)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    # ------------------------------------------------------------------ the run
+
+    def _open_writers(self, resume_step: int | None) -> _Writers:
+        """The metrics logger and the JSONL writers; a resumed run's files are cut back to ``resume_step``."""
+        t, main = self.config.trainer, self.is_main
+        validating = t.val_before_train or t.val_freq > 0
+        return _Writers(
+            metrics=MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, config=redacted(self.config),
+                                  project=t.project_name, experiment=t.experiment_name, enabled=main,
+                                  initial_step=self.state.global_step, resume_step=resume_step),
+            rollouts=RolloutWriter(self.run_dir / "rollouts.jsonl", enabled=main and t.log_rollouts,
+                                   resume_step=resume_step),
+            completions=RolloutWriter(self.run_dir / "completions.jsonl", enabled=main and t.log_completions,
+                                      resume_step=resume_step),
+            val_generations=RolloutWriter(self.run_dir / "val_generations.jsonl", enabled=main and validating,
+                                          resume_step=resume_step),
+        )
+
+    def _write(self, writer: RolloutWriter, step: int, records: list[dict] | None, limit: int | None = None) -> None:
+        if records is not None:
+            writer.write(step, self.gather_records(records)[:limit])
+
+    def _validate(self, step: int, writers: _Writers) -> None:
+        result = self.validate(step)
+        if result is None:
+            return
+        writers.metrics.log(step, self.reduce_metrics(result.metrics, "val/"), prefix="val/")
+        self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
+
+    def train(self) -> dict[str, float]:
+        """Run the remaining steps; returns the last step's metrics, reduced over processes."""
+        t = self.config.trainer
+        # 1. what the run is
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.config, self.run_dir / "config.yaml")
+            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
+        # 2. where it starts: a killed run's lines after its last checkpoint are written again below
+        resume_step = self.state.global_step if self.resume() else None
+        writers = self._open_writers(resume_step)
+        self.logger = writers.metrics
+        last: dict[str, float] = {}
+        try:
+            # 3. the starting point's validation
+            if t.val_before_train and self.state.global_step == 0:
+                self._validate(0, writers)
+            # 4. the steps
+            while self.state.global_step < self.total_steps:
+                step = self.state.global_step + 1
+                result = self.step(step)
+                self.last_step = result
+                last = self.reduce_metrics(result.metrics)
+                self.state.global_step = step
+                self.state.epoch = self._consumed_stream["epoch"]
+                self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]
+                writers.metrics.log(step, last)
+                self._write(writers.rollouts, step, result.records)
+                self._write(writers.completions, step, result.completions)
+                if t.val_freq > 0 and step % t.val_freq == 0:
+                    self._validate(step, writers)
+                if t.save_freq > 0 and step % t.save_freq == 0:
+                    self.save()
+            # 5. the end
+            if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
+                self.save()
+        finally:
+            self.prefetcher.close()
+            writers.close()
+        return last
