@@ -44,7 +44,8 @@ def build_rewards(config: Config):
     if r.reward_function:
         specs = [RewardSpec(name=r.reward_function, weight=1.0, kwargs=dict(r.reward_function_kwargs))]
     else:
-        specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs)) for f in r.functions]
+        specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), on_error=f.on_error)
+                 for f in r.functions]
     rewards = RewardSet.from_specs(specs) if specs else None
     if r.reward_server:
         from grouprl.rewards.registry import REWARD_SERVER_CLIENTS

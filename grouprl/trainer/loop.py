@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grouprl.config import redacted, save_config, write_text_atomic
+from grouprl.config import redacted, save_config
+from grouprl.files import write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics

@@ -32,7 +32,6 @@ trainer's: ``trainer.loop.TrainingLoop``; reward metrics are written by
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +60,7 @@ from grouprl.domains.diffusion.pipeline import (
     velocity,
 )
 from grouprl.domains.diffusion.scheduler import sde_step, sde_window, train_timesteps
+from grouprl.files import RecordsError, read_json_records
 from grouprl.rewards import RewardResult
 from grouprl.trainer.loop import StepResult, TrainingLoop
 from grouprl.trainer.metrics import StepMetrics
@@ -74,26 +74,25 @@ from grouprl.trainer.update import UpdateSettings, run_update
 
 
 def load_prompts(files: list[str], prompt_key: str, max_samples: int | None = None) -> list[dict]:
-    """Prompt records: JSON lines ``{prompt_key: str, ...metadata}``, or ``.txt`` files with one prompt per
-    line (Flow-GRPO's OCR and PickScore datasets); errors name the file and line."""
+    """Prompt records: a JSON list or JSON lines of ``{prompt_key: str, ...metadata}``, or ``.txt`` files with
+    one prompt per line (Flow-GRPO's OCR and PickScore datasets); errors name the file and line or record."""
     records = []
     for name in files:
         path = Path(name)
         if not path.exists():
             raise ConfigError(f"prompt file not found: {path}")
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            if path.suffix == ".txt":
-                records.append({prompt_key: line.strip()})
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}, line {number}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict) or not isinstance(record.get(prompt_key), str):
-                raise ConfigError(f"{path}, line {number}: field '{prompt_key}' (data.prompt_key) is missing or not a string")
-            records.append(record)
+        if path.suffix == ".txt":
+            records += [{prompt_key: line.strip()} for line in path.read_text().splitlines() if line.strip()]
+            continue
+        try:
+            found = read_json_records(path)
+        except RecordsError as exc:
+            raise ConfigError(str(exc)) from exc
+        for index, record in enumerate(found):
+            if not isinstance(record.get(prompt_key), str):
+                raise ConfigError(f"{path}: record {index}: field '{prompt_key}' (data.prompt_key) is missing or "
+                                  "not a string")
+        records += found
     if max_samples is not None:
         records = records[:max_samples]
     return records
