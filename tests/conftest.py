@@ -49,7 +49,7 @@ def _set_dotted(values: dict, overrides: dict) -> dict:
     return values
 
 
-def write_jsonl(path: Path, records) -> Path:
+def _write_jsonl(path: Path, records) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -59,15 +59,14 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def say_records(repeats: int, words=WORDS) -> list[dict]:
+def _say_records(repeats: int, words=WORDS) -> list[dict]:
     return [{"problem": f"Say {w} {i}", "answer": w} for i in range(repeats) for w in words]
 
 
 @dataclass(frozen=True)
 class Task:
-    """A tiny model and the data file it was built for (``root`` holds both)."""
+    """A tiny model and the data file it was built for."""
 
-    root: Path
     data: Path
     model: Path
 
@@ -97,6 +96,11 @@ def _built_once(tmp_path_factory, name: str, build):
     return get
 
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
+SHAPES = [(c, s) for s in ("left", "right") for c in COLOURS]
+IMAGE_PROMPT = "Describe the picture."
+
+
 def _image(index: int):
     """Picture ``index``: a coloured square on the left or the right of a grey field."""
     from PIL import Image, ImageDraw
@@ -108,12 +112,7 @@ def _image(index: int):
     return image
 
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
-SHAPES = [(c, s) for s in ("left", "right") for c in COLOURS]
-IMAGE_PROMPT = "Describe the picture."
-
-
-def image_records(directory: Path, n: int, *, format: str) -> Path:
+def _image_records(directory: Path, n: int, *, format: str) -> Path:
     """Write ``n`` pictures under ``directory/images/`` and a data set that asks about them: EasyR1
     (``data.jsonl``: problem / answer / images) or LLaVA (``data.json``: image / conversations).
     Image paths are relative to the data file."""
@@ -135,10 +134,10 @@ def image_records(directory: Path, n: int, *, format: str) -> Path:
         path = directory / "data.json"
         path.write_text(json.dumps(records, indent=1))
         return path
-    return write_jsonl(directory / "data.jsonl", records)
+    return _write_jsonl(directory / "data.jsonl", records)
 
 
-def image_corpus() -> list[str]:
+def _image_corpus() -> list[str]:
     return [IMAGE_PROMPT] + [f"A {c} square on the {s}." for c, s in SHAPES]
 
 
@@ -183,10 +182,9 @@ def text_task(tmp_path_factory, tiny_text_lm):
     def make(records, vocabulary=(), **model_options) -> Task:
         key = repr((records, list(vocabulary), sorted(model_options.items())))
         if key not in made:
-            root = tmp_path_factory.mktemp("text_task")
-            data = write_jsonl(root / "train.jsonl", records)
+            data = _write_jsonl(tmp_path_factory.mktemp("text_task") / "train.jsonl", records)
             corpus = [r["problem"] for r in records] + list(vocabulary)
-            made[key] = Task(root, data, tiny_text_lm(corpus, seed=0, **model_options))
+            made[key] = Task(data, tiny_text_lm(corpus, seed=0, **model_options))
         return made[key]
 
     return make
@@ -198,7 +196,7 @@ def say_task(text_task):
     below ``repeats`` (answer: the word), and a tiny text LM for them."""
 
     def make(repeats: int, words=WORDS, **model_options) -> Task:
-        return text_task(say_records(repeats, words), list(words), **model_options)
+        return text_task(_say_records(repeats, words), list(words), **model_options)
 
     return make
 
@@ -211,9 +209,8 @@ def image_task(tmp_path_factory, tiny_vlm):
 
     def make(n: int, format: str = "easyr1") -> Task:
         if (n, format) not in made:
-            root = tmp_path_factory.mktemp("image_task")
-            made[n, format] = Task(root, image_records(root / "data", n, format=format),
-                                   tiny_vlm(image_corpus(), seed=0))
+            data = _image_records(tmp_path_factory.mktemp("image_task"), n, format=format)
+            made[n, format] = Task(data, tiny_vlm(_image_corpus(), seed=0))
         return made[n, format]
 
     return make
