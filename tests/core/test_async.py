@@ -7,7 +7,6 @@ a loop that does not overlap.
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 from grouprl.config import ConfigError, config_from_dict
 from grouprl.trainer.grpo import GRPOTrainer
 
-WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
 WAIT = 60  # seconds: only reached when the overlap is missing (the test then fails)
 
 REWARD = '''
@@ -28,49 +26,27 @@ def varied(prompts, completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from grouprl.models.tiny import build_tiny_text_lm
-
-    root = tmp_path_factory.mktemp("async")
-    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(4) for w in WORDS]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (root / "reward.py").write_text(REWARD)
-    model = build_tiny_text_lm(root / "model", [r["problem"] for r in records] + WORDS, seed=0)
-    return {"root": root, "model": model}
+def setup(say_task, tmp_path_factory):
+    reward = tmp_path_factory.mktemp("async") / "reward.py"
+    reward.write_text(REWARD)
+    return {"task": say_task(4), "reward": reward}
 
 
 def config(setup, out, mode: str, **extra) -> dict:
-    cfg = {
-        "data": {"train_files": [str(setup["root"] / "train.jsonl")], "max_response_length": 6,
-                 "rollout_batch_size": 4},
-        "worker": {"actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
-                             "global_batch_size": 4, "micro_batch_size_per_device_for_update": 8},
-                   "rollout": {"n": 2, "micro_batch_size": 4},  # two generation micro-batches per step
-                   "reward": {"functions": [{"name": f"{setup['root'] / 'reward.py'}:varied"}]}},
-        "trainer": {"output_dir": str(out), "max_steps": 3, "logger": ["jsonl"], "device": "cpu",
-                    "async_mode": mode, "save_freq": -1},
-    }
-    for dotted, value in extra.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return cfg
+    return setup["task"].config(out, [{"name": f"{setup['reward']}:varied"}], **{
+        "worker.actor.global_batch_size": 4, "worker.actor.micro_batch_size_per_device_for_update": 8,
+        "worker.rollout.n": 2, "worker.rollout.micro_batch_size": 4,  # two generation micro-batches per step
+        "trainer.max_steps": 3, "trainer.async_mode": mode, "trainer.save_freq": -1, **extra})
 
 
-def rollouts(run) -> list[dict]:
-    return [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
-
-
-def test_async_reward_trains_exactly_like_sync(setup, tmp_path):
+def test_async_reward_trains_exactly_like_sync(setup, tmp_path, read_jsonl):
     sync = GRPOTrainer(config_from_dict(config(setup, tmp_path / "sync", "sync")))
     sync.train()
     overlapped = GRPOTrainer(config_from_dict(config(setup, tmp_path / "async", "async_reward")))
     overlapped.train()
     keys = ("step", "id", "response", "score", "advantage")
-    assert [[r[k] for k in keys] for r in rollouts(tmp_path / "async")] == \
-        [[r[k] for k in keys] for r in rollouts(tmp_path / "sync")]
+    assert [[r[k] for k in keys] for r in read_jsonl(tmp_path / "async" / "rollouts.jsonl")] == \
+        [[r[k] for k in keys] for r in read_jsonl(tmp_path / "sync" / "rollouts.jsonl")]
     for (name, a), b in zip(sync.policy.named_parameters(), overlapped.policy.parameters()):
         assert torch.equal(a, b), name
 
@@ -104,19 +80,11 @@ def test_async_reward_scores_while_the_next_micro_batch_generates(setup, tmp_pat
     assert len(calls) == 2 and all(name.startswith("grouprl-rewards") for name in threads)
 
 
-def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path):
+def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path, read_jsonl, watch_updates):
     trainer = GRPOTrainer(config_from_dict(config(setup, tmp_path / "run", "one_step_off")))
     assert trainer.engine.holds_weights and trainer.correct_rollout  # a copy to sample from, and IS weights
-    progress = threading.Condition()
-    updates, background_calls = [], []
-    step = trainer.optimizer.step
-
-    def noting_step(*args, **kwargs):
-        with progress:
-            updates.append(1)  # one optimizer step per training step here
-            progress.notify_all()
-        return step(*args, **kwargs)
-
+    updates = watch_updates(trainer)  # one optimizer step per training step here
+    background_calls = []
     generate = trainer.engine.generate
 
     def watched_generate(samples, params, **kwargs):
@@ -125,16 +93,15 @@ def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path
             call = len(background_calls)
             if call % 2 == 1:  # the first of the two micro-batches of background rollout j = (call + 1) // 2
                 j = (call + 1) // 2
-                with progress:  # generating for step j + 1 goes on only once step j's update is under way
-                    assert progress.wait_for(lambda: len(updates) >= j, WAIT), \
-                        f"the rollout for step {j + 1} finished before step {j}'s update began"
+                # generating for step j + 1 goes on only once step j's update is under way
+                assert updates.wait_for(j, WAIT), \
+                    f"the rollout for step {j + 1} finished before step {j}'s update began"
         return generate(samples, params, **kwargs)
 
     trainer.engine.generate = watched_generate
-    trainer.optimizer.step = noting_step
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     trainer.train()
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["async/staleness_steps"] for m in metrics] == [0.0, 1.0, 1.0]
     for m in metrics:
         assert m["mismatch/weight_mean"] is not None and m["actor/skipped_step"] == 0
@@ -144,28 +111,19 @@ def test_one_step_off_generates_the_next_batch_during_the_update(setup, tmp_path
     assert all(torch.equal(copy[k], v) for k, v in trainer.policy.named_parameters())
 
 
-def test_one_step_off_resumes_at_the_right_prompts(setup, tmp_path):
+def test_one_step_off_resumes_at_the_right_prompts(setup, tmp_path, read_jsonl, interrupt_at_step):
     """The next batch is drawn before a checkpoint is written: the checkpoint still records the trained position."""
     full = GRPOTrainer(config_from_dict(config(setup, tmp_path / "full", "one_step_off")))
     full.train()
     # saved at step 2 while step 3's batch was being drawn and generated; killed at step 3
     killed = GRPOTrainer(config_from_dict(config(setup, tmp_path / "cut", "one_step_off",
                                                  **{"trainer.save_freq": 2})))
-    original = killed.step
-
-    def dying(step):
-        if step == 3:
-            raise KeyboardInterrupt("killed")
-        return original(step)
-
-    killed.step = dying
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
+    interrupt_at_step(killed, 3)
     resumed = config(setup, tmp_path / "cut", "one_step_off", **{"trainer.resume": "auto", "trainer.save_freq": 2})
     GRPOTrainer(config_from_dict(resumed)).train()
 
     def prompts_of(run, step):
-        return sorted({r["id"] for r in rollouts(run) if r["step"] == step})
+        return sorted({r["id"] for r in read_jsonl(run / "rollouts.jsonl") if r["step"] == step})
 
     assert prompts_of(tmp_path / "cut", 3) == prompts_of(tmp_path / "full", 3)
 

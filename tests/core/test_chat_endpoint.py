@@ -13,10 +13,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 
 from grouprl.config import VerifierConfig
-from grouprl.domains.diffusion.rewards import vlm_judge_reward
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, UnusableReply, chat_completions_url
 from grouprl.rewards.judge import ChatJudge, JudgeError
-from grouprl.domains.radiology.rewards.green import GreenJudge
 from grouprl.rollout.verifier import build_verifier
 
 
@@ -166,11 +164,10 @@ def test_chat_judge_retries_unusable_replies_within_one_budget():
 
 @pytest.mark.parametrize("build, extra", [
     (lambda: ChatJudge("http://h/v1", "m"), "judge"),
-    (lambda: GreenJudge("http://h/v1", "m"), "green"),
     (lambda: build_verifier(VerifierConfig(backend="http", base_url="http://h/v1", model="m")), "guided"),
-    (lambda: asyncio.run(vlm_judge_reward([], [], base_url="http://h/v1")), "judge"),
 ])
 def test_a_missing_openai_names_the_extra(monkeypatch, build, extra):
+    # the domains' judges: tests/radiology/test_green_chat_endpoint.py, tests/diffusion/test_vlm_judge_chat_endpoint.py
     monkeypatch.setitem(sys.modules, "openai", None)  # import openai now raises ImportError
     with pytest.raises(ImportError, match=rf"needs the openai client: pip install 'grouprl\[{extra}\]'"):
         build()

@@ -7,9 +7,6 @@ this.) Each test checks the world size the processes really had.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,20 +18,7 @@ HERE = Path(__file__).parent
 REWARDS = HERE / "distributed" / "rank_rewards.py"
 
 
-def torchrun(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path):
+def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path, torchrun):
     """Same gradients as one process with the whole batch; pg_loss and kl_loss logged at their true value."""
     from grouprl.models.tiny import build_tiny_text_lm
 
@@ -55,25 +39,22 @@ def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
-    from grouprl.models.tiny import build_tiny_vlm
-
+def vlm(image_task, tmp_path_factory, read_jsonl):
+    task = image_task(4, format="easyr1")
     root = tmp_path_factory.mktemp("vlm2")
-    data = write_dataset(root / "cxr", 4, seed=0, format="easyr1")
-    images = [json.loads(x) for x in data.read_text().splitlines()]
+    images = read_jsonl(task.data)
     for r in images:
-        r["images"] = [str(data.parent / p) for p in r["images"]]
-    texts = [{"id": f"text{i}", "problem": f"Write a normal chest X-ray report, version {i}.",
-              "answer": "No acute cardiopulmonary process. Heart size is normal."} for i in range(4)]
-    # unshuffled, each process's shard of a step holds one study with an image and one without
+        r["images"] = [str(task.data.parent / p) for p in r["images"]]
+    texts = [{"id": f"text{i}", "problem": f"Describe a picture you cannot see, version {i}.",
+              "answer": "A grey field."} for i in range(4)]
+    # unshuffled, each process's shard of a step holds one picture with an image and one without
     mixed = [images[0], images[1], texts[0], texts[1], images[2], images[3], texts[2], texts[3]]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
     (root / "val.jsonl").write_text(json.dumps(images[0]) + "\n")  # one sample: process 1 validates none
-    return {"root": root, "model": build_tiny_vlm(root / "model", corpus(), seed=0)}
+    return {"root": root, "model": task.model}
 
 
-def test_two_processes_train_a_vlm_with_a_trainable_vision_tower(vlm, tmp_path):
+def test_two_processes_train_a_vlm_with_a_trainable_vision_tower(vlm, tmp_path, torchrun, read_jsonl):
     """Mixed image / text-only data, a reward that applies to no row of one process, dynamic sampling, validation."""
     config = {
         "data": {"train_files": [str(vlm["root"] / "train.jsonl")], "val_files": [str(vlm["root"] / "val.jsonl")],
@@ -136,7 +117,7 @@ def noisy_length(prompts, completions, **kwargs):
 '''
 
 
-def test_fsdp_two_processes_train_save_and_resume_exactly(tmp_path):
+def test_fsdp_two_processes_train_save_and_resume_exactly(tmp_path, torchrun, read_jsonl):
     """FSDP2, bf16 compute over fp32 masters, dropout and noisy rewards: resuming at step 2 reaches step 4's weights."""
     from grouprl.models.tiny import build_tiny_text_lm
 
@@ -170,47 +151,3 @@ def test_fsdp_two_processes_train_save_and_resume_exactly(tmp_path):
     for key in full:
         assert torch.equal(resumed[key], full[key]), key
     assert [m["step"] for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [3, 4]
-
-
-@pytest.mark.parametrize("async_mode", ["sync", "one_step_off"])
-def test_flow_grpo_on_two_processes(tmp_path, async_mode):
-    """Flow-GRPO-Fast under DDP: each process its own prompts, the global std over both, one set of weights."""
-    pytest.importorskip("diffusers")
-    from grouprl.domains.diffusion.objectives import group_advantages
-    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
-
-    model = build_tiny_pixel_flow(tmp_path / "model", image_size=8, num_layers=1, num_attention_heads=2,
-                                  attention_head_dim=8, embed_dim=16)
-    words = ["a red square on the left", "a blue square on the right", "two green squares on the left",
-             "a red circle on the right"]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in words))
-    config = {
-        "kind": "flow",
-        "data": {"train_files": [str(tmp_path / "train.jsonl")], "rollout_batch_size": 2, "shuffle": False},
-        "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2, "global_std": True},
-        "worker": {"actor": {"model": {"model_path": str(model), "lora": {"rank": 4, "alpha": 8}},
-                             "optim": {"lr": 1e-2}, "micro_batch_size": 4},
-                   "rollout": {"n": 4, "num_steps": 4, "height": 8, "width": 8, "micro_batch_size": 4,
-                               "sde_window_size": 2, "sde_window_range": [0, 4]},
-                   "reward": {"functions": [{"name": "image_brightness"}]}},
-        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "logger": ["jsonl"], "device": "cpu",
-                    "save_freq": 2, "async_mode": async_mode},
-    }
-    (tmp_path / "flow.yaml").write_text(yaml.safe_dump(config))
-    torchrun("-m", "grouprl", "train", str(tmp_path / "flow.yaml"), cwd=tmp_path)
-    run = tmp_path / "run"
-    assert json.loads((run / "run_info.json").read_text())["num_processes"] == 2
-
-    train = [m for m in read_jsonl(run / "metrics.jsonl") if "reward/mean" in m]
-    assert [m["step"] for m in train] == [1, 2] and all(m["actor/grad_norm"] > 0 for m in train)
-    if async_mode == "one_step_off":
-        assert [m["async/staleness_steps"] for m in train] == [0.0, 1.0]
-    rollouts = read_jsonl(run / "rollouts.jsonl")
-    for step in (1, 2):
-        rows = [r for r in rollouts if r["step"] == step]
-        # both processes' rows, one prompt each (rollout_batch_size 2 over 2 processes)
-        assert len(rows) == 8 and len({r["prompt"] for r in rows}) == 2
-        # the std of global_std is that of both processes' rewards, not of each process's own
-        whole = group_advantages(torch.tensor([r["score"] for r in rows]), 4, global_std=True, clip=5.0)
-        assert [r["advantage"] for r in rows] == pytest.approx(whole.tolist(), abs=1e-5)
-    assert (run / "checkpoints" / "global_step_2" / "model" / "adapter_model.safetensors").exists()

@@ -11,18 +11,10 @@ from PIL import Image
 from grouprl.data.sample import Sample
 from grouprl.models.loading import apply_lora, load_model_and_processor
 from grouprl.models.inputs import collate_model_inputs
-from grouprl.models.tiny import build_tiny_text_lm, build_tiny_vlm
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import HFGenerationEngine
 from grouprl.rollout.logprobs import compute_log_probs, forward_response_log_probs
-
-CORPUS = [
-    "Heart size is normal. No pleural effusion or pneumothorax.",
-    "Mild cardiomegaly. Small left pleural effusion.",
-    "Right pneumothorax is present. No focal consolidation.",
-    "No acute cardiopulmonary process. Lungs are clear.",
-] * 4
 
 EOS_PROBABILITY = 0.15  # per step, so that 8-token responses both end and run out
 
@@ -80,10 +72,7 @@ def text_samples():
     ]
 
 
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_engine_models")
-    return {"vlm": build_tiny_vlm(root / "vlm", CORPUS, seed=1), "lm": build_tiny_text_lm(root / "lm", CORPUS, seed=1)}
+# `paths` (tests/conftest.py): the tiny VLM and LM, built once per session; each module loads its own copies
 
 
 @pytest.fixture(scope="module")

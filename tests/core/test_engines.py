@@ -14,7 +14,7 @@ from grouprl.rollout.hf_engine import HFGenerationEngine
 from grouprl.rollout.logprobs import compute_log_probs
 from grouprl.rollout.static_engine import StaticCacheEngine
 
-from test_engine import lm, paths, samples, text_samples, vlm  # noqa: F401  (fixtures)
+from test_engine import lm, samples, text_samples, vlm  # noqa: F401  (fixtures and helpers)
 
 
 class CountingBackend:
@@ -103,7 +103,7 @@ def test_generation_continues_from_token_ids(request, model_name):
 
 
 @pytest.mark.parametrize("model_name", ["lm", "vlm"])
-def test_static_engine_decodes_what_generate_decodes(paths, model_name):  # noqa: F811
+def test_static_engine_decodes_what_generate_decodes(paths, model_name):
     """Static cache, bucketed padding and a traced decoder: greedy gives the same tokens and log-probs."""
     model, processor, _ = load_model_and_processor(paths[model_name])  # no EOS bias: 8 tokens to compare
     batch_samples = text_samples() if model_name == "lm" else samples()
@@ -168,7 +168,7 @@ def test_static_engine_with_inductor_matches_generate(lm):  # noqa: F811
     assert engine.shapes == {(4, 64, 6)}
 
 
-def test_trainer_builds_the_configured_engine(tmp_path, paths):  # noqa: F811
+def test_trainer_builds_the_configured_engine(tmp_path, paths):
     import json
 
     from grouprl.trainer.grpo import GRPOTrainer

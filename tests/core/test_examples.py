@@ -1,9 +1,11 @@
 """The recipes of examples/: each loads as a config with the seed's numbers, and each runs one
-step on the tiny model and synthetic data through the overrides examples/run_tiny.sh uses."""
+step on the tiny model and synthetic data through the overrides examples/run_tiny.sh uses.
+
+The flow-matching recipes (`kind: flow`): tests/diffusion/test_flow_examples.py; the VQA data the
+tiny setup writes for CheXPO: tests/radiology/test_tiny_vqa_example.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -15,11 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grouprl.cli import main
 from grouprl.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-RECIPES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 
 
 def _tiny_setup():
@@ -30,6 +30,7 @@ def _tiny_setup():
 
 
 tiny_setup = _tiny_setup()
+RECIPES = sorted(p.name for p in EXAMPLES.glob("*.yaml") if not tiny_setup.is_flow(p))
 
 # What each recipe must say: the seeds' numbers (EditGRPO paper / launch script, CheX-Phi4MM train_loop.sh).
 EDITGRPO_COMMON = {
@@ -76,33 +77,6 @@ EDIT_KEYS = {"extractor": True, "extractor_num_ops_per_para": 1, "extractor_num_
              "extractor_similarity_threshold": 0.6, "extractor_type": "rules"}
 
 
-FLOW_COMMON = {  # MM-GRPO's run_sd3.sh / run_sd3_fast.sh
-    "worker.actor.model.lora.rank": 32, "worker.actor.model.lora.alpha": 64, "worker.rollout.n": 16,
-    "data.rollout_batch_size": 64, "worker.rollout.height": 512, "worker.rollout.num_steps": 10,
-    "worker.actor.optim.weight_decay": 1e-4, "trainer.total_epochs": 15, "trainer.val_freq": 5,
-    "trainer.save_freq": 100, "data.val_max_samples": 256, "worker.actor.num_minibatches": 2,
-}
-EXPECTED["flow_grpo_sd35m_ocr.yaml"] = {
-    **FLOW_COMMON, "algorithm.name": "flow_grpo", "worker.actor.optim.lr": 3e-4, "algorithm.kl_coef": 0.04,
-    "worker.rollout.guidance_scale": 4.5, "worker.rollout.noise_level": 0.7, "worker.rollout.kind": "sde",
-    "algorithm.clip_range": 1e-4,
-}
-EXPECTED["flow_grpo_fast_sd35m_ocr.yaml"] = {
-    **FLOW_COMMON, "algorithm.name": "flow_grpo_fast", "worker.actor.optim.lr": 1e-4, "algorithm.kl_coef": 0.0,
-    "worker.rollout.guidance_scale": 1.0, "worker.rollout.noise_level": 0.8, "worker.rollout.kind": "cps",
-    "worker.rollout.sde_window_size": 3, "worker.rollout.sde_window_range": [0, 5], "algorithm.clip_range": 1e-5,
-}
-
-
-def load_recipe(path):
-    """A recipe's config, read with the flow trainer's schema when it says `kind: flow`."""
-    if tiny_setup.is_flow(path):
-        from grouprl.domains.diffusion.config import load_flow_config
-
-        return load_flow_config(path)
-    return load_config(path)
-
-
 def _get(config, dotted: str):
     node = config
     for part in dotted.split("."):
@@ -116,7 +90,7 @@ def test_every_recipe_is_checked():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_loads_with_the_seed_settings(recipe):
-    config = load_recipe(EXAMPLES / recipe)  # unknown keys or bad values would raise here
+    config = load_config(EXAMPLES / recipe)  # unknown keys or bad values would raise here
     for key, value in EXPECTED[recipe].items():
         assert _get(config, key) == value, key
 
@@ -147,30 +121,8 @@ def test_editgrpo_differs_from_drgrpo_only_by_the_edits():
 # ---------------------------------------------------------------------------- tiny runs
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    tiny_setup.build(root)
-    return root
-
-
-def test_tiny_vqa_data(tiny_root):
-    from grouprl.data import load_samples
-    from grouprl.domains.radiology.rewards.answers import answer_labels
-
-    records = [json.loads(line) for line in (tiny_root / "vqa" / "data.jsonl").read_text().splitlines()]
-    studies = json.loads((tiny_root / "vqa" / "studies.json").read_text())
-    for record, study in zip(records, studies):
-        present = {k.replace("_", " ") for k, v in study["findings"].items() if v == 1}
-        assert answer_labels(record["answer"]) == (present or {"no finding"})
-        assert record["question_type"] == "findings"
-        assert record["reasoning"] == study["conversations"][-1]["value"]
-    samples = load_samples(tiny_root / "vqa" / "data.jsonl")
-    assert len(samples) == len(records) and len(samples[0].images) == 1
-    assert samples[0].answer == records[0]["solution"]  # answer_set_f1 reads its <answer>, kg its <think>
-
-
-def test_overrides_follow_the_recipe(tiny_root):
+def test_overrides_follow_the_recipe(tiny_examples):
+    tiny_root = tiny_examples.built()
     edit = tiny_setup.overrides(EXAMPLES / "editgrpo_qwen25vl3b.yaml", tiny_root)
     chexpo = tiny_setup.overrides(EXAMPLES / "chexpo_v2.yaml", tiny_root)
     assert f"data.train_files=['{tiny_root.resolve() / 'reports' / 'data.json'}']" in edit
@@ -184,25 +136,9 @@ def test_overrides_follow_the_recipe(tiny_root):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_one_tiny_step(recipe, tiny_root, tmp_path):
+def test_recipe_runs_one_tiny_step(recipe, tiny_examples, tmp_path):
     out = tmp_path / "run"
-    if tiny_setup.is_flow(EXAMPLES / recipe):
-        tiny_setup.build_flow(tiny_root)
-    overrides = tiny_setup.overrides(EXAMPLES / recipe, tiny_root, out)
-    assert main(["train", str(EXAMPLES / recipe), *overrides, "trainer.max_steps=1"]) == 0
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1]
-    step = metrics[0]
-    if tiny_setup.is_flow(EXAMPLES / recipe):
-        # the recipe's algorithm, sampler and reward reached the run; the update ran
-        saved = yaml.safe_load((out / "config.yaml").read_text())
-        recipe_config = load_recipe(EXAMPLES / recipe)
-        assert saved["algorithm"] == dataclasses.asdict(recipe_config.algorithm)
-        for key in ("kind", "noise_level", "guidance_scale", "sde_window_size", "sde_window_range"):
-            assert saved["worker"]["rollout"][key] == getattr(recipe_config.worker.rollout, key)
-        assert "rewards/ocr/mean" in step and "actor/pg_loss" in step and "actor/grad_norm" in step
-        assert ("actor/kl_loss" in step) == (recipe_config.algorithm.kl_coef > 0)
-        return
+    step = tiny_examples.run_one_step(recipe, out)
     assert step["actor/skipped_step"] == 0 and "actor/pg_loss" in step  # the update ran
     saved = yaml.safe_load((out / "config.yaml").read_text())
     recipe_config = load_config(EXAMPLES / recipe)
@@ -233,7 +169,8 @@ def test_recipe_runs_one_tiny_step(recipe, tiny_root, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_run_tiny_script(tiny_root):
+def test_run_tiny_script(tiny_examples):
+    tiny_root = tiny_examples.built()
     env = dict(os.environ, PYTHON=sys.executable, TINY_DIR=str(tiny_root))
     done = subprocess.run(["bash", str(EXAMPLES / "run_tiny.sh"), str(EXAMPLES / "drgrpo_qwen25vl3b.yaml"),
                            "trainer.max_steps=1"], env=env, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ from grouprl.rollout.logprobs import compute_log_probs
 from grouprl.rollout.multiturn import MultiTurnRollout, problem_text, turn_boundary_ids
 from grouprl.rollout.verifier import Verifier, VerifierRequest
 
-from test_engine import paths, samples, text_samples, with_eos_bias  # noqa: F401  (fixtures and helpers)
+from test_engine import samples, text_samples, with_eos_bias  # helpers (`paths`: tests/conftest.py)
 
 
 class ScriptedVerifier(Verifier):
@@ -33,7 +33,7 @@ class ScriptedVerifier(Verifier):
                 for r in requests]
 
 
-def engine_for(paths, name):  # noqa: F811
+def engine_for(paths, name):
     model, processor, _ = load_model_and_processor(paths[name])
     # EOS comes often enough for turns to end, not at once
     with_eos_bias(model, tokenizer_of(processor).convert_tokens_to_ids("<|im_end|>"), probability=0.25)
@@ -57,7 +57,7 @@ def rollout(processor, verifier, **config):
     return MultiTurnRollout(verifier, processor, cfg, end_of_turn_ids=[end_of_turn_id(processor)])
 
 
-def test_text_between_turns_is_what_the_chat_template_writes(paths):  # noqa: F811
+def test_text_between_turns_is_what_the_chat_template_writes(paths):
     _, processor, _ = load_model_and_processor(paths["lm"])
     tokenizer = tokenizer_of(processor)
     turn = "Left side."
@@ -74,7 +74,7 @@ def test_text_between_turns_is_what_the_chat_template_writes(paths):  # noqa: F8
 
 @pytest.mark.parametrize("scope", ["full_turn", "final_turn"])
 @pytest.mark.parametrize("model_name", ["lm", "vlm"])
-def test_dialogue_is_trained_on_what_it_was_sampled_from(paths, model_name, scope):  # noqa: F811
+def test_dialogue_is_trained_on_what_it_was_sampled_from(paths, model_name, scope):
     model, processor, engine = engine_for(paths, model_name)
     spy = SpyEngine(engine)
     verifier = ScriptedVerifier({1: "Not yet: check the left side. [SCORE] hallucination_detect=0",
@@ -116,7 +116,7 @@ def test_dialogue_is_trained_on_what_it_was_sampled_from(paths, model_name, scop
         assert problem_text(batch_samples[0]).startswith("[IMAGE]")
 
 
-def test_a_multi_turn_vlm_row_scores_alone_as_in_its_padded_batch(paths):  # noqa: F811
+def test_a_multi_turn_vlm_row_scores_alone_as_in_its_padded_batch(paths):
     """M-RoPE over the whole dialogue with its images: one unpadded row gives the batch's log-probs."""
     model, processor, engine = engine_for(paths, "vlm")
     verifier = ScriptedVerifier({1: "Look again at the second image."})
@@ -146,7 +146,7 @@ def test_a_multi_turn_vlm_row_scores_alone_as_in_its_padded_batch(paths):  # noq
     assert torch.equal(positions(padded, attention)[..., attention[0].bool()], alone)
 
 
-def test_stop_needs_a_final_answer_and_turns_are_capped(paths):  # noqa: F811
+def test_stop_needs_a_final_answer_and_turns_are_capped(paths):
     _, processor, engine = engine_for(paths, "lm")
     # STOP after every turn: the random policy never writes <answer>\boxed{}, so it is asked to go on
     verifier = ScriptedVerifier({1: "###STOP###", 2: "###STOP###", 3: "###STOP###"})
@@ -163,7 +163,7 @@ def test_stop_needs_a_final_answer_and_turns_are_capped(paths):  # noqa: F811
     assert verifier.seen and all(r.reference is None for r in verifier.seen)
 
 
-def test_hallucination_scores_reach_the_rewards(paths):  # noqa: F811
+def test_hallucination_scores_reach_the_rewards(paths):
     _, processor, engine = engine_for(paths, "lm")
     verifier = ScriptedVerifier({1: "Wrong sign. [SCORE] hallucination_detect=0",
                                  2: "Closer. [SCORE] hallucination_detect=1"})  # turn 3: the default, 1
@@ -183,36 +183,18 @@ def test_hallucination_scores_reach_the_rewards(paths):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def arithmetic(tmp_path_factory):
-    import json
-
-    from grouprl.models.tiny import build_tiny_text_lm
-
-    root = tmp_path_factory.mktemp("guided")
+def arithmetic(text_task):
     records = [{"problem": f"What is {a} plus {b}? Answer as <answer>\\\\boxed{{N}}</answer>.", "answer": str(a + b)}
                for a in range(1, 5) for b in range(1, 4)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    corpus = [r["problem"] for r in records] + ["<answer>\\boxed{7}</answer>", "Not yet correct. Try again?"]
-    return {"root": root, "model": build_tiny_text_lm(root / "model", corpus, seed=0)}
+    return text_task(records, ["<answer>\\boxed{7}</answer>", "Not yet correct. Try again?"])
 
 
-def guided_config(setup, out, **extra) -> dict:
-    cfg = {
-        "data": {"train_files": [str(setup["root"] / "train.jsonl")], "val_files": [str(setup["root"] / "train.jsonl")],
-                 "max_response_length": 5, "rollout_batch_size": 2, "val_max_samples": 2},
-        "worker": {"actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
-                             "global_batch_size": 2},
-                   "rollout": {"n": 2, "verifier": {"enable": True, "backend": "rule", "max_turns": 3}},
-                   "reward": {"functions": [{"name": "length", "kwargs": {"target": 3}}]}},
-        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "device": "cpu", "val_freq": 2},
-    }
-    for dotted, value in extra.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return cfg
+def guided_config(task, out, **extra) -> dict:
+    return task.config(out, [{"name": "length", "kwargs": {"target": 3}}], **{
+        "data.val_files": [str(task.data)], "data.max_response_length": 5, "data.rollout_batch_size": 2,
+        "data.val_max_samples": 2, "worker.actor.global_batch_size": 2, "worker.rollout.n": 2,
+        "worker.rollout.verifier": {"enable": True, "backend": "rule", "max_turns": 3}, "trainer.val_freq": 2,
+        **extra})
 
 
 @pytest.mark.parametrize("scope", ["full_turn", "final_turn"])
@@ -245,7 +227,7 @@ def test_guided_training_logs_dialogues(arithmetic, tmp_path, scope):
         assert bool((batch.response_mask.sum(-1) > batch.policy_mask.sum(-1)).any())  # verifier text, no loss
 
 
-def test_guided_run_killed_and_resumed_matches(arithmetic, tmp_path):
+def test_guided_run_killed_and_resumed_matches(arithmetic, tmp_path, interrupt_at_step):
     from grouprl.config import config_from_dict
     from grouprl.trainer import checkpoint as ckpt
     from grouprl.trainer.grpo import GRPOTrainer
@@ -254,16 +236,7 @@ def test_guided_run_killed_and_resumed_matches(arithmetic, tmp_path):
     full = GRPOTrainer(config_from_dict(guided_config(arithmetic, tmp_path / "full", **steps)))
     full.train()
     killed = GRPOTrainer(config_from_dict(guided_config(arithmetic, tmp_path / "cut", **steps)))
-    original = killed.step
-
-    def dying(step):
-        if step == 3:
-            raise KeyboardInterrupt("killed")
-        return original(step)
-
-    killed.step = dying
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
+    interrupt_at_step(killed, 3)
     assert ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "global_step_2"
     resumed = GRPOTrainer(config_from_dict(guided_config(arithmetic, tmp_path / "cut", **steps,
                                                          **{"trainer.resume": "auto"})))

@@ -11,8 +11,6 @@ from grouprl.config import ConfigError, config_from_dict
 from grouprl.trainer.grpo import GRPOTrainer
 from grouprl.trainer.precision import precision_policy
 
-WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
-
 NOISY_REWARD = '''
 def by_length(prompts, completions, **kwargs):
     return [(len(c) % 4) / 3 for c in completions]
@@ -20,36 +18,17 @@ def by_length(prompts, completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from grouprl.models.tiny import build_tiny_text_lm
-
-    root = tmp_path_factory.mktemp("precision")
-    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(4) for w in WORDS]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (root / "reward.py").write_text(NOISY_REWARD)
-    model = build_tiny_text_lm(root / "model", [r["problem"] for r in records] + WORDS, seed=0)
-    return {"root": root, "model": model}
+def setup(say_task, tmp_path_factory):
+    reward = tmp_path_factory.mktemp("precision") / "reward.py"
+    reward.write_text(NOISY_REWARD)
+    return {"task": say_task(4), "reward": reward}
 
 
 def config(setup, out, *, dtype="float32", strategy="adamw", lr=1e-6, **extra) -> dict:
-    cfg = {
-        "data": {"train_files": [str(setup["root"] / "train.jsonl")], "max_response_length": 6,
-                 "rollout_batch_size": 4},
-        "worker": {"actor": {"model": {"model_path": str(setup["model"]), "dtype": dtype},
-                             "optim": {"lr": lr, "strategy": strategy}, "global_batch_size": 2,
-                             "micro_batch_size_per_device_for_update": 4},
-                   "rollout": {"n": 4},
-                   "reward": {"functions": [{"name": f"{setup['root'] / 'reward.py'}:by_length"}]}},
-        "trainer": {"output_dir": str(out), "max_steps": 5, "logger": ["jsonl"], "device": "cpu",
-                    "log_rollouts": False},
-    }
-    for dotted, value in extra.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return cfg
+    return setup["task"].config(out, [{"name": f"{setup['reward']}:by_length"}], **{
+        "worker.actor.model.dtype": dtype, "worker.actor.optim.lr": lr, "worker.actor.optim.strategy": strategy,
+        "worker.actor.global_batch_size": 2, "worker.actor.micro_batch_size_per_device_for_update": 4,
+        "trainer.max_steps": 5, "trainer.log_rollouts": False, **extra})
 
 
 def updates(trainer) -> dict[str, torch.Tensor]:

@@ -20,8 +20,6 @@ from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.grpo import GRPOTrainer
 from grouprl.trainer.logging import MetricsLogger
 
-WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
-
 NOISY_REWARD = '''
 import random
 
@@ -35,33 +33,19 @@ def noisy_length(prompts, completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from grouprl.models.tiny import build_tiny_text_lm
-
-    root = tmp_path_factory.mktemp("resume")
-    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(4) for w in WORDS]
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    model = build_tiny_text_lm(root / "model", [r["problem"] for r in records] + WORDS, seed=0,
-                               attention_dropout=0.3)
-    reward = root / "noisy.py"
+def setup(say_task, tmp_path_factory):
+    reward = tmp_path_factory.mktemp("resume") / "noisy.py"
     reward.write_text(NOISY_REWARD)
-    return {"data": data, "model": model, "reward": reward}
+    return {"task": say_task(4, attention_dropout=0.3), "reward": reward}
 
 
 def config(setup, out: Path, **trainer) -> dict:
-    return {
-        "data": {"train_files": [str(setup["data"])], "max_response_length": 6, "rollout_batch_size": 4},
-        "worker": {
-            # two mini-batches per step: the second optimizer step of a step is a place to die
-            "actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
-                      "global_batch_size": 2, "micro_batch_size_per_device_for_update": 3},
-            "rollout": {"n": 3, "temperature": 1.0},
-            "reward": {"functions": [{"name": f"{setup['reward']}:noisy_length"}]},
-        },
-        "trainer": {"output_dir": str(out), "max_steps": 4, "save_freq": 2, "logger": ["jsonl", "tensorboard"],
-                    "device": "cpu", "seed": 5, "log_completions": True, **trainer},
-    }
+    return setup["task"].config(out, [{"name": f"{setup['reward']}:noisy_length"}], **{
+        # two mini-batches per step: the second optimizer step of a step is a place to die
+        "worker.actor.global_batch_size": 2, "worker.actor.micro_batch_size_per_device_for_update": 3,
+        "worker.rollout.n": 3, "worker.rollout.temperature": 1.0,
+        "trainer.max_steps": 4, "trainer.save_freq": 2, "trainer.logger": ["jsonl", "tensorboard"],
+        "trainer.seed": 5, "trainer.log_completions": True, **{f"trainer.{k}": v for k, v in trainer.items()}})
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:

@@ -12,53 +12,17 @@ from grouprl.config import ConfigError, config_from_dict
 from grouprl.trainer.checkpoint import latest_checkpoint, step_dirs
 from grouprl.trainer.grpo import GRPOTrainer
 
-WORDS = ["yes", "no", "maybe", "left", "right", "up", "down"]
-
 
 @pytest.fixture(scope="module")
-def text_setup(tmp_path_factory):
-    from grouprl.models.tiny import build_tiny_text_lm
-
-    root = tmp_path_factory.mktemp("text")
-    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(6) for w in WORDS]
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    corpus = [r["problem"] for r in records] + WORDS
-    model = build_tiny_text_lm(root / "model", corpus, seed=0)
-    return {"data": data, "model": model}
+def text_setup(say_task):
+    return say_task(6)
 
 
-@pytest.fixture(scope="module")
-def vlm_setup(tmp_path_factory):
-    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
-    from grouprl.models.tiny import build_tiny_vlm
-
-    root = tmp_path_factory.mktemp("vlm")
-    data = write_dataset(root / "data", 8, seed=0, format="llava")
-    model = build_tiny_vlm(root / "model", corpus(), seed=0)
-    return {"data": data, "model": model}
-
-
-def text_config(setup, out: Path, **overrides) -> dict:
-    cfg = {
-        "data": {"train_files": [str(setup["data"])], "max_response_length": 6, "rollout_batch_size": 4},
-        "algorithm": {"adv_estimator": "grpo"},
-        "worker": {
-            "actor": {"model": {"model_path": str(setup["model"])}, "optim": {"lr": 1e-2},
-                      "global_batch_size": 4, "micro_batch_size_per_device_for_update": 4,
-                      "micro_batch_size_per_device_for_experience": 16},
-            "rollout": {"n": 4},
-            "reward": {"functions": [{"name": "accuracy"}, {"name": "length", "weight": 0.5, "kwargs": {"target": 1}}]},
-        },
-        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "device": "cpu", "seed": 3},
-    }
-    for dotted, value in overrides.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return cfg
+def text_config(task, out: Path, **overrides) -> dict:
+    return task.config(out, [{"name": "accuracy"}, {"name": "length", "weight": 0.5, "kwargs": {"target": 1}}], **{
+        "algorithm.adv_estimator": "grpo", "worker.actor.global_batch_size": 4,
+        "worker.actor.micro_batch_size_per_device_for_update": 4,
+        "worker.actor.micro_batch_size_per_device_for_experience": 16, "trainer.seed": 3, **overrides})
 
 
 def params_of(trainer) -> dict[str, torch.Tensor]:
@@ -154,7 +118,7 @@ def test_lora_export_merges_adapter(text_setup, tmp_path):
     trainer = GRPOTrainer(config_from_dict(cfg))
     trainer.train()
     merged_dir = export_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"), tmp_path / "merged",
-                                   base_model=str(text_setup["model"]))
+                                   base_model=str(text_setup.model))
     merged, _, _ = load_model_and_processor(str(merged_dir))
     ids = torch.tensor([[1, 5, 9, 12]])
     with torch.no_grad():
@@ -163,14 +127,15 @@ def test_lora_export_merges_adapter(text_setup, tmp_path):
     assert not (merged_dir / "adapter_config.json").exists()
 
 
-def test_vlm_trains_with_finding_reward(vlm_setup, tmp_path):
+def test_vlm_trains_with_a_frozen_vision_tower_and_validates(image_task, tmp_path):
+    task = image_task(8, format="llava")
     cfg = {
-        "data": {"train_files": [str(vlm_setup["data"])], "val_files": [str(vlm_setup["data"])],
+        "data": {"train_files": [str(task.data)], "val_files": [str(task.data)],
                  "max_response_length": 12, "rollout_batch_size": 2, "val_max_samples": 2},
-        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"]), "freeze_vision_tower": True},
+        "worker": {"actor": {"model": {"model_path": str(task.model), "freeze_vision_tower": True},
                              "optim": {"lr": 1e-3}, "global_batch_size": 2},
                    "rollout": {"n": 3},
-                   "reward": {"functions": [{"name": "finding_f1"}]}},
+                   "reward": {"functions": [{"name": "length", "kwargs": {"target": 4}}]}},
         "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "logger": ["jsonl", "tensorboard"],
                     "device": "cpu", "val_freq": 2},
     }
@@ -196,17 +161,17 @@ def test_missing_reward_and_model_are_config_errors(text_setup, tmp_path):
         GRPOTrainer(config_from_dict(cfg))
 
 
-def test_vlm_checkpoint_weights_round_trip(vlm_setup, tmp_path):
+def test_vlm_checkpoint_weights_round_trip(paths, tmp_path):
     """save_pretrained renames Qwen2.5-VL keys to the hub layout; resuming must map them back."""
     from grouprl.models.loading import load_model_and_processor
     from grouprl.trainer.checkpoint import TrainerState, load_model_weights, save_checkpoint
 
-    model, processor, _ = load_model_and_processor(str(vlm_setup["model"]))
+    model, processor, _ = load_model_and_processor(str(paths["vlm"]))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
     path = save_checkpoint(tmp_path / "ck", TrainerState(global_step=1), model, None, None, processor=processor)
-    fresh, _, _ = load_model_and_processor(str(vlm_setup["model"]))
+    fresh, _, _ = load_model_and_processor(str(paths["vlm"]))
     load_model_weights(fresh, path)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -224,29 +189,6 @@ def test_completions_log_has_tokens_and_sampler_log_probs(text_setup, tmp_path):
         assert all(lp <= 0 for lp in row["log_probs"])
         assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == row["completion"]
         assert set(row["rewards"]) == {"accuracy", "length"}
-
-
-def test_editgrpo_edits_in_training(vlm_setup, tmp_path):
-    cfg = {
-        "data": {"train_files": [str(vlm_setup["data"])], "max_response_length": 10, "rollout_batch_size": 2},
-        "algorithm": {"force_gt_num": 1, "norm_adv_by_std_in_grpo": False,
-                      "loss_agg_mode": "seq-mean-token-sum-norm"},
-        "worker": {"actor": {"model": {"model_path": str(vlm_setup["model"])}, "global_batch_size": 2},
-                   "rollout": {"n": 4, "extractor": True, "extractor_num_para": -1},
-                   "reward": {"functions": [{"name": "editgrpo_composite"}]}},
-        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "logger": ["jsonl"], "device": "cpu",
-                    "log_completions": True},
-    }
-    GRPOTrainer(config_from_dict(cfg)).train()
-    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert metrics["edits/force_gt"] == 1  # force_gt_num=1: one prompt of the step gets its reference
-    assert metrics["edits/edit_rate"] > 0
-    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    forced = [r for r in rollouts if r["edit_operations"] and r["edit_operations"][0]["type"] == "force_gt"]
-    assert forced and all(r["response"] == r["reference"] for r in forced)
-    assert all(r["edited"] for r in forced)
-    completions = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert all((c["log_probs"] is None) == r["edited"] for c, r in zip(completions, rollouts))
 
 
 def test_lora_with_trainable_modules_is_refused(text_setup, tmp_path):

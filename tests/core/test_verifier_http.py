@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 
@@ -18,7 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -80,23 +79,10 @@ def create_app(llm: FakeLLM) -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serve_app):
     llm = FakeLLM()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(llm), log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the fake LLM server did not start"
-        time.sleep(0.02)
-    try:
-        yield llm, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_app(create_app(llm), timeout_graceful_shutdown=1) as port:
+        yield llm, f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
-from PIL import Image
 
 from grouprl.data.sample import Sample
 from grouprl.models.loading import apply_lora, load_model_and_processor
 from grouprl.models.inputs import encode_prompts, render_prompt
-from grouprl.models.tiny import build_tiny_text_lm, build_tiny_vlm
 from grouprl.models.weight_sync import gathered_named_parameters, named_weights_for_sync
 from grouprl.rollout.engine import SamplingParams, engine_class
 from grouprl.rollout.hf_engine import HFGenerationEngine
@@ -42,6 +39,8 @@ from grouprl.rollout.vllm_engine import (
     vllm_prompt,
     vllm_sampling_kwargs,
 )
+
+from test_engine import samples as vlm_samples, with_eos_bias  # the engine tests' prompts and EOS bias
 
 CORPUS = [
     "Heart size is normal. No pleural effusion or pneumothorax.",
@@ -84,43 +83,16 @@ class RequestOutput:  # vllm.outputs.RequestOutput
 # ---------------------------------------------------------------------------- fixtures
 
 
-def with_eos_bias(model, eos_id, probability=0.1):
-    """A steady chance of ending the turn, so rows both end with EOS and run out (as in test_engine)."""
-    head = model.get_output_embeddings()
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[eos_id] = math.log(probability / (1 - probability) * (head.out_features - 1))
-    model.set_output_embeddings(biased)
-    return model
-
-
-def image(color, size=(112, 112)):
-    return Image.new("RGB", size, color)
-
-
-def vlm_samples():
-    return [
-        Sample(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Findings?"}]}],
-               images=[image((200, 30, 30))], index=0),
-        Sample(messages=[{"role": "user", "content": [{"type": "text", "text": "Current and prior:"},
-                                                      {"type": "image"}, {"type": "image"}]}],
-               images=[image((20, 200, 30), (168, 112)), image((20, 30, 220))], index=1),
-        Sample(messages=[{"role": "user", "content": [{"type": "text", "text": "Report without images."}]}], index=2),
-    ]
-
-
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_vllm_engine")
-    return {"vlm": build_tiny_vlm(root / "vlm", CORPUS, seed=2), "lm": build_tiny_text_lm(root / "lm", CORPUS, seed=2)}
+def paths(tiny_vlm, tiny_text_lm):
+    return {"vlm": tiny_vlm(CORPUS, seed=2), "lm": tiny_text_lm(CORPUS, seed=2)}
 
 
 @pytest.fixture(scope="module")
 def vlm(paths):
     model, processor, _ = load_model_and_processor(paths["vlm"])
-    with_eos_bias(model, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    # a steady chance of ending the turn, so rows both end with EOS and run out
+    with_eos_bias(model, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"), probability=0.1)
     return model.eval(), processor
 
 

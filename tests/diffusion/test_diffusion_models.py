@@ -16,7 +16,7 @@ from transformers import CLIPTokenizer  # noqa: E402
 
 from grouprl.domains.diffusion import shapes  # noqa: E402
 from grouprl.domains.diffusion.models import FLOW_INDEX, load_flow_model, lora_target_modules  # noqa: E402
-from grouprl.domains.diffusion.tiny import build_clip_tokenizer, build_tiny_pixel_flow, build_tiny_sd3_pipeline  # noqa: E402
+from grouprl.domains.diffusion.tiny import build_clip_tokenizer, build_tiny_sd3_pipeline  # noqa: E402
 
 PROMPTS = ["a red square on the left", "two blue squares at the top"]
 
@@ -27,8 +27,8 @@ def sd3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pixel_dir(tmp_path_factory):
-    return build_tiny_pixel_flow(tmp_path_factory.mktemp("pixel"), seed=0)
+def pixel_dir(tiny_pixel_flow):
+    return tiny_pixel_flow(seed=0)
 
 
 def test_clip_tokenizer_makes_task_words_single_tokens_and_reloads(tmp_path):

@@ -18,14 +18,6 @@ from grouprl.domains.diffusion.trainer import FlowGRPOTrainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_flow(tmp_path_factory):
-    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
-
-    return build_tiny_pixel_flow(tmp_path_factory.mktemp("flow") / "model", image_size=8, num_layers=1,
-                                 num_attention_heads=2, attention_head_dim=8, embed_dim=16)
-
-
-@pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     root = tmp_path_factory.mktemp("prompts")
     words = ["a red square on the left", "a blue square on the right", "two green squares on the left",
@@ -35,41 +27,38 @@ def prompts(tmp_path_factory):
     return root
 
 
-def flow_config(model, prompts, out, **extra):
-    values = {
-        "kind": "flow",
-        "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
-                 "rollout_batch_size": 2, "seed": 3},
-        "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2},
-        "worker": {
-            "actor": {"model": {"model_path": str(model), "lora": {"rank": 4, "alpha": 8}},
-                      "optim": {"lr": 1e-2}, "micro_batch_size": 3, "num_minibatches": 2},
-            "rollout": {"n": 4, "num_steps": 4, "height": 8, "width": 8, "guidance_scale": 2.0, "micro_batch_size": 3,
-                        "sde_window_size": 2, "sde_window_range": [0, 4], "val_num_steps": 6},
-            "reward": {"functions": [{"name": "image_brightness"}]},
-        },
-        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1, "device": "cpu",
-                    "seed": 5, "val_freq": 2},
-    }
-    for dotted, value in extra.items():
-        node = values
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return flow_config_from_dict(values)
+@pytest.fixture
+def flow_config(tiny_flow, prompts, set_dotted):
+    """``flow_config(out, **overrides)``: a Flow-GRPO-Fast run of the tiny flow model on the prompts."""
+
+    def config(out, **extra):
+        values = {
+            "kind": "flow",
+            "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
+                     "rollout_batch_size": 2, "seed": 3},
+            "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2},
+            "worker": {
+                "actor": {"model": {"model_path": str(tiny_flow), "lora": {"rank": 4, "alpha": 8}},
+                          "optim": {"lr": 1e-2}, "micro_batch_size": 3, "num_minibatches": 2},
+                "rollout": {"n": 4, "num_steps": 4, "height": 8, "width": 8, "guidance_scale": 2.0,
+                            "micro_batch_size": 3, "sde_window_size": 2, "sde_window_range": [0, 4],
+                            "val_num_steps": 6},
+                "reward": {"functions": [{"name": "image_brightness"}]},
+            },
+            "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1,
+                        "device": "cpu", "seed": 5, "val_freq": 2},
+        }
+        return flow_config_from_dict(set_dotted(values, extra))
+
+    return config
 
 
 def lora_state(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.policy.named_parameters() if "lora_" in k}
 
 
-def metrics_of(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_fast_trains_only_the_window_and_moves_the_adapters(tiny_flow, prompts, tmp_path):
-    trainer = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "run"))
+def test_fast_trains_only_the_window_and_moves_the_adapters(flow_config, tmp_path, read_jsonl):
+    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run"))
     before = lora_state(trainer)
     seen = []
     real = trainer._log_prob_fn
@@ -82,7 +71,7 @@ def test_fast_trains_only_the_window_and_moves_the_adapters(tiny_flow, prompts, 
     trainer.train()
     after = lora_state(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert len(rows) == 2 * 2 * 4  # steps x prompts x n
     for step in (1, 2):
         windows = {tuple(r["steps"]) for r in rows if r["step"] == step}
@@ -94,7 +83,7 @@ def test_fast_trains_only_the_window_and_moves_the_adapters(tiny_flow, prompts, 
     allowed = torch.cat([trainer.sched.timesteps[list(w)] for w in {tuple(r["steps"]) for r in rows}]).unique()
     assert set(trained.tolist()) <= set(allowed.tolist())
     # rows = images x window steps, every epoch: 8 images x 2 steps per training step
-    metrics = metrics_of(tmp_path / "run")
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     train = [m for m in metrics if "reward/mean" in m and "val/reward/mean" not in m]
     assert [m["step"] for m in train] == [1, 2]
     for m in train:
@@ -104,60 +93,54 @@ def test_fast_trains_only_the_window_and_moves_the_adapters(tiny_flow, prompts, 
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "grpo_guard"])
-def test_flow_grpo_and_guard_train(tiny_flow, prompts, tmp_path, algorithm):
-    config = flow_config(tiny_flow, prompts, tmp_path / "run", **{"algorithm.name": algorithm,
+def test_flow_grpo_and_guard_train(flow_config, tmp_path, read_jsonl, algorithm):
+    config = flow_config(tmp_path / "run", **{"algorithm.name": algorithm,
                                                                    "algorithm.timestep_fraction": 0.75,
                                                                    "trainer.max_steps": 1})
     trainer = FlowGRPOTrainer(config)
     before = lora_state(trainer)
     trainer.train()
     assert any(not torch.equal(before[k], v) for k, v in lora_state(trainer).items())
-    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert all(r["steps"] == [0, 1, 2] for r in rows)  # the first 75% of 4 steps, every one an SDE step
 
 
-def test_resume_continues_exactly(tiny_flow, prompts, tmp_path):
-    full = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "full", **{"trainer.max_steps": 3}))
+def test_resume_continues_exactly(flow_config, tmp_path, read_jsonl):
+    full = FlowGRPOTrainer(flow_config(tmp_path / "full", **{"trainer.max_steps": 3}))
     full.train()
-    first = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut", **{"trainer.max_steps": 1}))
+    first = FlowGRPOTrainer(flow_config(tmp_path / "cut", **{"trainer.max_steps": 1}))
     first.train()
-    resumed = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut",
+    resumed = FlowGRPOTrainer(flow_config(tmp_path / "cut",
                                           **{"trainer.max_steps": 3, "trainer.resume": "auto"}))
     resumed.train()
     a, b = lora_state(full), lora_state(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    train = lambda out: [m for m in metrics_of(out) if "reward/mean" in m]  # noqa: E731
+    train = lambda out: [m for m in read_jsonl(out / "metrics.jsonl") if "reward/mean" in m]  # noqa: E731
     assert [m["step"] for m in train(tmp_path / "cut")] == [1, 2, 3]
     assert [m["reward/mean"] for m in train(tmp_path / "cut")] == [m["reward/mean"] for m in train(tmp_path / "full")]
 
 
-def test_async_reward_gives_the_sync_result(tiny_flow, prompts, tmp_path):
+def test_async_reward_gives_the_sync_result(flow_config, tmp_path, read_jsonl):
     runs = {}
     for mode in ("sync", "async_reward"):
-        trainer = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / mode,
+        trainer = FlowGRPOTrainer(flow_config(tmp_path / mode,
                                               **{"trainer.async_mode": mode, "trainer.max_steps": 1}))
         trainer.train()
         runs[mode] = lora_state(trainer)
-        assert "timing/reward_wait_s" in metrics_of(tmp_path / mode)[0]
+        assert "timing/reward_wait_s" in read_jsonl(tmp_path / mode / "metrics.jsonl")[0]
     assert all(torch.equal(runs["sync"][k], runs["async_reward"][k]) for k in runs["sync"])
 
 
-def test_one_step_off_samples_the_next_batch_during_the_update(tiny_flow, prompts, tmp_path, monkeypatch):
+def test_one_step_off_samples_the_next_batch_during_the_update(flow_config, tmp_path, read_jsonl, watch_updates,
+                                                                 monkeypatch):
     import grouprl.domains.diffusion.trainer as flow_trainer
 
-    trainer = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "run", **{
+    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **{
         "trainer.async_mode": "one_step_off", "trainer.max_steps": 3, "worker.actor.num_minibatches": 1,
         "algorithm.kl_coef": 0.0}))
     assert trainer.sampler is not trainer.policy
-    progress = threading.Condition()
-    updates, background, first_ratio = [], [], {}
-    optimizer_step = trainer.optimizer.step
-
-    def noting_step(*args, **kwargs):
-        with progress:
-            updates.append(1)  # one optimizer step per training step here
-            progress.notify_all()
-        return optimizer_step(*args, **kwargs)
+    updates = watch_updates(trainer)  # one optimizer step per training step here
+    background, first_ratio = [], {}
 
     real_sample = flow_trainer.sample
 
@@ -167,25 +150,23 @@ def test_one_step_off_samples_the_next_batch_during_the_update(tiny_flow, prompt
             background.append(1)
             if len(background) % 3 == 1:  # the first of the 3 micro-batches of background rollout j
                 j = (len(background) + 2) // 3
-                with progress:  # sampling for step j + 1 goes on only once step j's update is under way
-                    assert progress.wait_for(lambda: len(updates) >= j, 60), \
-                        f"the rollout for step {j + 1} finished before step {j}'s update began"
+                # sampling for step j + 1 goes on only once step j's update is under way
+                assert updates.wait_for(j, 60), f"the rollout for step {j + 1} finished before step {j}'s update began"
         return real_sample(model, *args, **kwargs)
 
     real_loss = trainer._loss_fn
 
     def noting_loss(part, log_prob, aux, norms, metrics):
         # the first micro-batch of each update runs at the weights the old log-probs came from
-        first_ratio.setdefault(len(updates) + 1, float((log_prob.detach()[:, 0] - part.old_log_prob).abs().max()))
+        first_ratio.setdefault(updates.count + 1, float((log_prob.detach()[:, 0] - part.old_log_prob).abs().max()))
         return real_loss(part, log_prob, aux, norms, metrics)
 
     monkeypatch.setattr(flow_trainer, "sample", watched_sample)
-    trainer.optimizer.step = noting_step
     trainer._loss_fn = noting_loss
     before = lora_state(trainer)
     trainer.train()
     assert len(background) == 6  # steps 2 and 3 sampled in the worker, 3 micro-batches each
-    train = [m for m in metrics_of(tmp_path / "run") if "reward/mean" in m]
+    train = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in m]
     assert [m["async/staleness_steps"] for m in train] == [0.0, 1.0, 1.0]
     # stale rows were sampled one update earlier, and their old log-probs were recomputed
     assert all(m["async/behaviour_log_ratio_abs"] > 0 for m in train[1:])
@@ -193,33 +174,23 @@ def test_one_step_off_samples_the_next_batch_during_the_update(tiny_flow, prompt
     assert any(not torch.equal(before[k], v) for k, v in lora_state(trainer).items())
 
 
-def test_one_step_off_resumes_at_the_right_prompts(tiny_flow, prompts, tmp_path):
+def test_one_step_off_resumes_at_the_right_prompts(flow_config, tmp_path, read_jsonl, interrupt_at_step):
     """The next batch is drawn before a checkpoint is written: the checkpoint still records the trained position."""
     extra = {"trainer.async_mode": "one_step_off", "trainer.max_steps": 3, "data.rollout_batch_size": 1}
-    FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "full", **extra)).train()
-    killed = FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut", **extra, **{"trainer.save_freq": 2}))
-    original = killed.step
-
-    def dying(step):
-        if step == 3:
-            raise KeyboardInterrupt("killed")
-        return original(step)
-
-    killed.step = dying
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
-    FlowGRPOTrainer(flow_config(tiny_flow, prompts, tmp_path / "cut", **extra,
+    FlowGRPOTrainer(flow_config(tmp_path / "full", **extra)).train()
+    killed = FlowGRPOTrainer(flow_config(tmp_path / "cut", **extra, **{"trainer.save_freq": 2}))
+    interrupt_at_step(killed, 3)
+    FlowGRPOTrainer(flow_config(tmp_path / "cut", **extra,
                                 **{"trainer.save_freq": 2, "trainer.resume": "auto"})).train()
 
     def prompts_of(run, step):
-        return sorted({r["prompt"] for line in (run / "rollouts.jsonl").read_text().splitlines()
-                       for r in [json.loads(line)] if r["step"] == step})
+        return sorted({r["prompt"] for r in read_jsonl(run / "rollouts.jsonl") if r["step"] == step})
 
     assert prompts_of(tmp_path / "cut", 3) == prompts_of(tmp_path / "full", 3)
 
 
-def test_train_command_reads_a_flow_config(tiny_flow, prompts, tmp_path):
-    config = flow_config(tiny_flow, prompts, tmp_path / "cli", **{"trainer.max_steps": 1})
+def test_train_command_reads_a_flow_config(flow_config, tmp_path):
+    config = flow_config(tmp_path / "cli", **{"trainer.max_steps": 1})
     from grouprl.config import redacted
 
     path = tmp_path / "flow.yaml"
@@ -230,12 +201,12 @@ def test_train_command_reads_a_flow_config(tiny_flow, prompts, tmp_path):
     assert (tmp_path / "cli" / "checkpoints" / "global_step_1" / "model" / "adapter_model.safetensors").exists()
 
 
-def test_flow_config_errors_name_the_key(tiny_flow, prompts, tmp_path):
+def test_flow_config_errors_name_the_key(flow_config, tmp_path):
     from grouprl.config import ConfigError
 
     with pytest.raises(ConfigError, match="worker.rollout.sde_window_size"):
-        flow_config(tiny_flow, prompts, tmp_path, **{"worker.rollout.sde_window_size": 5})
+        flow_config(tmp_path, **{"worker.rollout.sde_window_size": 5})
     with pytest.raises(ConfigError, match="unknown config key 'worker.rollout.noise'.*noise_level"):
-        flow_config(tiny_flow, prompts, tmp_path, **{"worker.rollout.noise": 0.5})
+        flow_config(tmp_path, **{"worker.rollout.noise": 0.5})
     with pytest.raises(ConfigError, match="worker.actor.model.lora.rank"):
-        flow_config(tiny_flow, prompts, tmp_path, **{"worker.actor.model.lora": {"rank": 0}})
+        flow_config(tmp_path, **{"worker.actor.model.lora": {"rank": 0}})

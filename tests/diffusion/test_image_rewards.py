@@ -457,27 +457,13 @@ def create_app(judge: FakeJudge):
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serve_app):
     if FastAPI is None:
         pytest.skip("fastapi is not installed (grouprl[server])")
     pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
     judge = FakeJudge()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(judge), log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the fake judge server did not start"
-        time.sleep(0.02)
-    try:
-        yield judge, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_app(create_app(judge), timeout_graceful_shutdown=1) as port:
+        yield judge, f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture

@@ -107,12 +107,11 @@ def test_render_keeps_squares_inside_the_asked_half():
 
 
 @pytest.fixture(scope="module")
-def pixel_model(tmp_path_factory):
+def pixel_model(tiny_pixel_flow):
     pytest.importorskip("diffusers")
     from grouprl.domains.diffusion.models import load_flow_model
-    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
 
-    return load_flow_model(build_tiny_pixel_flow(tmp_path_factory.mktemp("pixel"), seed=0))
+    return load_flow_model(tiny_pixel_flow(seed=0))
 
 
 def test_short_pretraining_lowers_the_loss(pixel_model):

@@ -1,11 +1,10 @@
-"""Helpers for the tests that talk to a real reward server over sockets (not a test module)."""
+"""A helper for the tests that start the reward server on ports of their own (not a test module).
+
+An app served in a thread on a free port: the ``serve_app`` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -25,24 +24,3 @@ def two_free_ports() -> int:
                     continue
         return base
     pytest.skip("no two consecutive free ports")
-
-
-@contextmanager
-def app_in_thread(app):
-    """Serve ``app`` under uvicorn in a daemon thread on a free port; yields the port."""
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "reward server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from live_server import two_free_ports  # noqa: E402  (tests/live_server.py)
+from live_server import two_free_ports  # noqa: E402  (tests/radiology/live_server.py)
 from grouprl.domains.radiology.server import app as server  # noqa: E402
 from grouprl.domains.radiology.rewards.components import COMPONENTS, Component  # noqa: E402
 

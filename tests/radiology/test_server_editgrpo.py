@@ -20,7 +20,6 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from live_server import app_in_thread  # noqa: E402  (tests/live_server.py)
 from grouprl.domains.radiology.server import app as server  # noqa: E402
 from grouprl.domains.radiology.rewards.components import COMPONENTS, Component  # noqa: E402
 from grouprl.domains.radiology.rewards.entity_embeddings import encoder_available, hashed_ngram_vector  # noqa: E402
@@ -274,9 +273,9 @@ class Signal(logging.Handler):
 
 
 @pytest.fixture
-def live(request):
+def live(request, serve_app):
     options = getattr(request, "param", {})
-    with app_in_thread(server.create_app(entity_embeddings="ngram", **options)) as port:
+    with serve_app(server.create_app(entity_embeddings="ngram", **options)) as port:
         yield port
 
 def read_all(conn):

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from live_server import app_in_thread, two_free_ports  # noqa: E402  (tests/live_server.py)
+from live_server import two_free_ports  # noqa: E402  (tests/radiology/live_server.py)
 from grouprl.domains.radiology.server import app as server  # noqa: E402
 from grouprl.domains.radiology.rewards.components import COMPONENTS, Component  # noqa: E402
 
@@ -138,9 +138,9 @@ def test_radvlm_port_layout_with_several_workers(radvlm_layout):
 
 
 @pytest.fixture(scope="module")
-def live_server():
+def live_server(serve_app):
     """The real app (real components) under uvicorn on one port."""
-    with app_in_thread(server.create_app(entity_embeddings="ngram")) as port:
+    with serve_app(server.create_app(entity_embeddings="ngram")) as port:
         yield port
 
 def test_radvlm_client_gets_radvlms_scores(live_server):

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from grouprl.config import config_from_dict  # noqa: E402
 from grouprl.domains.radiology.server import app as server  # noqa: E402
@@ -20,33 +18,15 @@ from grouprl.trainer.grpo import GRPOTrainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
-    from grouprl.models.tiny import build_tiny_vlm
-
-    root = tmp_path_factory.mktemp("srv")
-    return {"data": write_dataset(root / "data", 4, seed=1, format="easyr1"),
-            "model": build_tiny_vlm(root / "model", corpus(), seed=0)}
+def setup(cxr_vlm, cxr_data):
+    return {"data": cxr_data(4, seed=1, format="easyr1"), "model": cxr_vlm}
 
 
 @pytest.fixture(scope="module")
-def live_server():
-    app = server.create_app()  # the real EditGRPO composite: radgraphf1 + cxb14micro + ratescore
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "reward server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/predict"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+def live_server(serve_app):
+    # the real EditGRPO composite: radgraphf1 + cxb14micro + ratescore
+    with serve_app(server.create_app()) as port:
+        yield f"http://127.0.0.1:{port}/predict"
 
 
 def config(setup, out, url):

@@ -1,0 +1,67 @@
+"""The flow-matching recipes of examples/ (`kind: flow`): each loads with MM-GRPO's numbers, and each
+runs one step on the tiny pixel-space model through the overrides examples/run_tiny.sh uses.
+
+The other recipes: tests/core/test_examples.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from grouprl.domains.diffusion.config import load_flow_config
+
+FLOW_COMMON = {  # MM-GRPO's run_sd3.sh / run_sd3_fast.sh
+    "worker.actor.model.lora.rank": 32, "worker.actor.model.lora.alpha": 64, "worker.rollout.n": 16,
+    "data.rollout_batch_size": 64, "worker.rollout.height": 512, "worker.rollout.num_steps": 10,
+    "worker.actor.optim.weight_decay": 1e-4, "trainer.total_epochs": 15, "trainer.val_freq": 5,
+    "trainer.save_freq": 100, "data.val_max_samples": 256, "worker.actor.num_minibatches": 2,
+}
+EXPECTED = {
+    "flow_grpo_sd35m_ocr.yaml": {
+        **FLOW_COMMON, "algorithm.name": "flow_grpo", "worker.actor.optim.lr": 3e-4, "algorithm.kl_coef": 0.04,
+        "worker.rollout.guidance_scale": 4.5, "worker.rollout.noise_level": 0.7, "worker.rollout.kind": "sde",
+        "algorithm.clip_range": 1e-4,
+    },
+    "flow_grpo_fast_sd35m_ocr.yaml": {
+        **FLOW_COMMON, "algorithm.name": "flow_grpo_fast", "worker.actor.optim.lr": 1e-4, "algorithm.kl_coef": 0.0,
+        "worker.rollout.guidance_scale": 1.0, "worker.rollout.noise_level": 0.8, "worker.rollout.kind": "cps",
+        "worker.rollout.sde_window_size": 3, "worker.rollout.sde_window_range": [0, 5],
+        "algorithm.clip_range": 1e-5,
+    },
+}
+RECIPES = sorted(EXPECTED)
+
+
+def _get(config, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def test_every_flow_recipe_is_checked(tiny_examples):
+    flow = [p.name for p in sorted(tiny_examples.dir.glob("*.yaml")) if tiny_examples.setup.is_flow(p)]
+    assert flow == RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_flow_recipe_loads_with_the_seed_settings(recipe, tiny_examples):
+    config = load_flow_config(tiny_examples.dir / recipe)  # unknown keys or bad values would raise here
+    for key, value in EXPECTED[recipe].items():
+        assert _get(config, key) == value, key
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_flow_recipe_runs_one_tiny_step(recipe, tiny_examples, tmp_path):
+    out = tmp_path / "run"
+    step = tiny_examples.run_one_step(recipe, out)
+    # the recipe's algorithm, sampler and reward reached the run; the update ran
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    recipe_config = load_flow_config(tiny_examples.dir / recipe)
+    assert saved["algorithm"] == dataclasses.asdict(recipe_config.algorithm)
+    for key in ("kind", "noise_level", "guidance_scale", "sde_window_size", "sde_window_range"):
+        assert saved["worker"]["rollout"][key] == getattr(recipe_config.worker.rollout, key)
+    assert "rewards/ocr/mean" in step and "actor/pg_loss" in step and "actor/grad_norm" in step
+    assert ("actor/kl_loss" in step) == (recipe_config.algorithm.kl_coef > 0)
