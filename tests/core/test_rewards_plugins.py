@@ -28,8 +28,8 @@ def test_a_plugin_that_fails_to_import_is_an_error_naming_it(monkeypatch):
     broken = importlib.metadata.EntryPoint(name="broken_domain", value="grouprl_no_such_module.rewards",
                                            group=registry.PLUGIN_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
-    monkeypatch.setattr(registry, "_PLUGINS", {})
-    monkeypatch.setattr(registry, "_PLUGINS_DONE", False)
+    monkeypatch.setattr(grouprl.registry, "_PLUGINS", {})
+    monkeypatch.setattr(grouprl.registry, "_PLUGINS_DONE", False)
     expected = r"grouprl plugin 'broken_domain' \(grouprl_no_such_module.rewards.*failed to import: ModuleNotFound"
     with pytest.raises(RewardLoadError, match=expected):
         get_reward("no_such_reward_name")
