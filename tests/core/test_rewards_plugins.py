@@ -9,6 +9,7 @@ import importlib.metadata
 
 import pytest
 
+import grouprl.registry
 from grouprl.rewards import RewardLoadError, get_reward, registry
 
 
