@@ -1,5 +1,18 @@
 """The diffusion domain's parts, registered by name (the ``diffusion`` entry point of ``grouprl.plugins``).
 
-Registered lazily: naming a part imports its module, so loading the plugin imports
-neither diffusers nor the image rewards.
+The flow trainer as the trainer kind ``flow`` (a config file with ``kind: flow``) and the
+Flow-GRPO-Fast demo as `grouprl demo --flow`. Registered lazily: naming a part imports
+its module, so loading the plugin imports neither diffusers nor the image rewards.
 """
+
+from grouprl.cli import DEMOS, Demo
+from grouprl.trainer.kinds import TRAINER_KINDS, TrainerKind
+
+TRAINER_KINDS.register("flow", TrainerKind(
+    config="grouprl.domains.diffusion.config:flow_config_from_dict",
+    trainer="grouprl.domains.diffusion.trainer:FlowGRPOTrainer",
+    description="Flow-GRPO and its family on flow-matching image models (needs grouprl[diffusion])"))
+DEMOS.register("flow", Demo(
+    run="grouprl.domains.diffusion.demo:run_flow_demo", flag="--flow",
+    help="Flow-GRPO-Fast on a tiny SD3 transformer drawing coloured squares (needs grouprl[diffusion]): "
+         "pretrain, then RL against a rule reward, compared on held-out prompts (default out runs/demo-flow)"))
