@@ -252,15 +252,13 @@ def cmd_demo(args) -> int:
     return 0
 
 
-for _name, _command in (
-    ("train", Command("train with a GRPO-family algorithm (or the trainer the file's `kind` names)", cmd_train,
-                      _config_arguments)),
-    ("sft", Command("supervised warm start on the reference answers", cmd_sft, _sft_arguments)),
-    ("export", Command("write a checkpoint as a merged Hugging Face model", cmd_export, _export_arguments)),
-    ("demo", Command("run a demo on CPU with tiny models, nothing downloaded (grouprl demo --help lists them)",
-                     cmd_demo, _demo_arguments)),
-):
-    COMMANDS.register(_name, _command)
+COMMANDS.register("train", Command("train with a GRPO-family algorithm (or the trainer the file's `kind` names)",
+                                   cmd_train, _config_arguments))
+COMMANDS.register("sft", Command("supervised warm start on the reference answers", cmd_sft, _sft_arguments))
+COMMANDS.register("export", Command("write a checkpoint as a merged Hugging Face model", cmd_export,
+                                    _export_arguments))
+COMMANDS.register("demo", Command("run a demo on CPU with tiny models, nothing downloaded (grouprl demo --help "
+                                  "lists them)", cmd_demo, _demo_arguments))
 
 
 if __name__ == "__main__":  # `python -m grouprl.cli`: the imported module holds what the plugins register

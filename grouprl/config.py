@@ -705,6 +705,7 @@ def validate(config: Config) -> None:
     """Checks that need more than one field or a registry."""
     from grouprl import algorithms  # registries are pluggable, so read them at validation time
     from grouprl.rollout.engine import ROLLOUT_ENGINES
+    from grouprl.rollout.verifier import VERIFIER_BACKENDS
 
     algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
     _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
@@ -723,6 +724,8 @@ def validate(config: Config) -> None:
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
     rollout.verifier.check("worker.rollout.verifier")
+    if rollout.verifier.backend != "auto":  # auto: http or local, by use_http
+        _check_name("worker.rollout.verifier.backend", rollout.verifier.backend, VERIFIER_BACKENDS)
     _positive("data.rollout_batch_size", config.data.rollout_batch_size)
     _positive("data.max_response_length", config.data.max_response_length)
     _positive("worker.actor.global_batch_size", actor.global_batch_size)

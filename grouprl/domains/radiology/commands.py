@@ -301,8 +301,8 @@ REPORT_DEMO = Demo(
 COMPARE_DEMO = Demo(
     run=run_compare_demo, flag="--compare",
     help="train SFT+GRPO, SFT+Dr.GRPO and SFT+EditGRPO from the same SFT model and compare them",
-    options=[("--seeds", dict(
+    options=(("--seeds", dict(
         type=int, metavar="K",
         help="with --compare: run the comparison for seeds seed..seed+K-1 (each its own data, SFT and RL "
              "runs, in <out>/seed_<s>/; finished seeds are reused) and report means with 95%% t-intervals "
-             "and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise (default out runs/demo-compare)"))])
+             "and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise (default out runs/demo-compare)")),))
