@@ -120,7 +120,9 @@ def violations(mods: dict[str, ast.Module]) -> list[str]:
 
 
 def test_every_module_is_in_a_layer_or_a_domain():
-    unplaced = [n for n in modules() if layer_of(n) is None and not n.startswith("grouprl.domains")]
+    # an old import path kept for a release (grouprl.diffusion) is in no layer: it only points to the new one
+    unplaced = [n for n, tree in modules().items()
+                if layer_of(n) is None and not n.startswith("grouprl.domains") and not is_moved_alias(tree)]
     assert not unplaced
 
 
@@ -146,6 +148,8 @@ def test_tests_of_the_core_import_no_domain():
     core_tests = Path(__file__).resolve().parent
     offenders = []
     for path in sorted(core_tests.rglob("*.py")):
+        if path == Path(__file__).resolve():  # this file names domain modules as data, to plant them
+            continue
         for line, target in imported_names(ast.parse(path.read_text()), "tests"):
             if target.startswith("grouprl.domains"):
                 offenders.append(f"{path.relative_to(core_tests)}:{line} {target}")
