@@ -9,9 +9,14 @@ trainer kinds, CLI commands, demos). They all behave the same way:
   never imports its heavy dependencies;
 - registering the same object again under its name is allowed (a module executed
   twice, a notebook); another object under a taken name is an error unless
-  ``overwrite=True``;
+  ``overwrite=True``. "The same" is the same ``module.qualname`` for functions, classes
+  and references, equality for other objects (a frozen dataclass entry with its metadata);
 - ``get(name)`` returns the object; an unknown name first imports the installed
-  plugins, then fails with the closest known names.
+  plugins, then fails with the closest known names (``get(name, default)`` returns
+  ``default`` instead);
+- a registry is also a mutable mapping of names to objects (``reg[name]``,
+  ``reg[name] = obj`` replaces, ``del reg[name]``, ``len``, iteration over the sorted
+  names), so tests and notebooks can swap an entry with ``monkeypatch.setitem``.
 
 Plugins are the domain packages (``grouprl.domains.*``) and any third-party package:
 each is an entry point in the ``grouprl.plugins`` group naming a module that registers
@@ -24,7 +29,7 @@ import difflib
 import importlib
 import importlib.metadata
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -81,7 +86,39 @@ def import_reference(ref: str) -> Any:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r} (reference {ref!r})") from None
 
 
-class Registry(Generic[T]):
+def resolve(obj: Any) -> Any:
+    """``obj``, or the object it names when it is a ``"module:attr"`` reference.
+
+    For registered entries that hold references in their fields (a trainer kind's config
+    builder and trainer, a demo's function), so that registering them imports nothing.
+    """
+    return import_reference(obj) if isinstance(obj, str) else obj
+
+
+def same_entry(a: Any, b: Any) -> bool:
+    """Whether ``b`` may be registered again under the name ``a`` holds (see the module docstring)."""
+    if a is b:
+        return True
+    if isinstance(a, str) or isinstance(b, str) or hasattr(a, "__qualname__") or hasattr(b, "__qualname__"):
+        return qualified_name(a) == qualified_name(b)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an __eq__ that cannot compare (arrays): distinct
+        return False
+
+
+def describe(obj: Any) -> str:
+    """A registered object in a message: its qualified name, or a short repr of an instance."""
+    if isinstance(obj, str) or hasattr(obj, "__qualname__"):
+        return qualified_name(obj)
+    text = repr(obj)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+_MISSING = object()
+
+
+class Registry(MutableMapping, Generic[T]):
     """Named parts of one kind (see the module docstring).
 
     ``kind`` names the part in messages ("reward", "rollout engine"); ``error`` is the
@@ -117,10 +154,9 @@ class Registry(Generic[T]):
             self.check(name, obj)
         with self._lock:
             existing = self._entries.get(name)
-            if (existing is not None and not overwrite
-                    and qualified_name(existing) != qualified_name(obj)):
-                raise ValueError(f"{self.kind} {name!r} is already registered to {qualified_name(existing)}; "
-                                 f"cannot register {qualified_name(obj)} under it (pass overwrite=True to replace it)")
+            if existing is not None and not overwrite and not same_entry(existing, obj):
+                raise ValueError(f"{self.kind} {name!r} is already registered to {describe(existing)}; "
+                                 f"cannot register {describe(obj)} under it (pass overwrite=True to replace it)")
             self._entries[name] = obj
         return obj
 
@@ -138,11 +174,14 @@ class Registry(Generic[T]):
                 self._entries[name] = obj
             return obj
 
-    def get(self, name: str) -> T:
-        """The part registered as ``name``; unknown names load the plugins first, then fail with close matches."""
+    def get(self, name: str, default: Any = _MISSING) -> T:
+        """The part registered as ``name``; unknown names load the plugins first, then fail with close
+        matches (``self.error``), or give ``default`` when one is passed."""
         if name not in self._entries:
             load_plugins()
         if name not in self._entries:
+            if default is not _MISSING:
+                return default
             raise self.error(self.unknown_message(name))
         return self._resolve(name)
 
@@ -163,6 +202,36 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __setitem__(self, name: str, obj: Any) -> None:
+        self.register(name, obj, overwrite=True)
+
+    def __delitem__(self, name: str) -> None:
+        with self._lock:
+            if name not in self._entries:
+                raise KeyError(name)
+            del self._entries[name]
+
+    def pop(self, name: str, default: Any = _MISSING) -> T:
+        """Remove ``name`` and return its object (resolved); ``default`` when it is not registered."""
+        with self._lock:
+            if name not in self._entries:
+                if default is _MISSING:
+                    raise KeyError(name)
+                return default
+            obj = self._resolve(name)
+            del self._entries[name]
+            return obj
+
+    # a registry is one named place, not a value: compared and hashed by identity
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def items(self) -> list[tuple[str, T]]:
         """(name, object) for every registered part, plugins loaded and lazy references resolved."""

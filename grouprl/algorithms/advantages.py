@@ -29,9 +29,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from grouprl.registry import Registry
+
 AdvantageEstimator = Callable[..., Tensor]
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", error=ValueError)
 
 
 def register_advantage_estimator(
@@ -42,14 +44,7 @@ def register_advantage_estimator(
     Declare a keyword parameter ``response_mask`` to receive the [B, R] mask and return
     per-token advantages; otherwise return one advantage per row ([B]).
     """
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS and not overwrite:
-            raise ValueError(f"advantage estimator {name!r} is already registered (pass overwrite=True to replace it)")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+    return ADVANTAGE_ESTIMATORS.register(name, overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------
@@ -356,10 +351,10 @@ def compute_advantages(name: str, scores: Tensor, group_index: Any, **options) -
     the wrong length, and TypeError for an option the estimator does not take or an
     unsupported kind of group_index.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        valid_names = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+    fn = ADVANTAGE_ESTIMATORS.get(name, None)
+    if fn is None:
+        valid_names = ", ".join(ADVANTAGE_ESTIMATORS.names())
         raise ValueError(f"unknown advantage estimator {name!r}; valid names: {valid_names}")
-    fn = ADVANTAGE_ESTIMATORS[name]
     params = dict(inspect.signature(fn).parameters)
     accepted = {p for p, spec in params.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY}
     # Token-level estimators take the mask themselves; for outcome ones it is only for broadcasting.

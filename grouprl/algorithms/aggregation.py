@@ -26,21 +26,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from grouprl.registry import Registry
+
 LossAggregator = Callable[..., Tensor]
 
-LOSS_AGG_MODES: dict[str, LossAggregator] = {}
+LOSS_AGG_MODES: Registry[LossAggregator] = Registry("loss_agg_mode", error=ValueError)
 
 
 def register_loss_agg_mode(name: str, *, overwrite: bool = False) -> Callable[[LossAggregator], LossAggregator]:
     """Decorator adding ``fn(loss_mat, mask, *, [num_tokens], [num_seqs], [norm_len]) -> Tensor``."""
-
-    def decorator(fn: LossAggregator) -> LossAggregator:
-        if name in LOSS_AGG_MODES and not overwrite:
-            raise ValueError(f"loss_agg_mode {name!r} is already registered (pass overwrite=True to replace it)")
-        LOSS_AGG_MODES[name] = fn
-        return fn
-
-    return decorator
+    return LOSS_AGG_MODES.register(name, overwrite=overwrite)
 
 
 def _nonzero(denominator: float | Tensor) -> float | Tensor:
@@ -123,11 +118,11 @@ def aggregate_loss(
     Positions where the mask is 0 contribute exactly 0 to the value and the gradient, even
     when L is nan or inf there (the built-in modes select them away instead of multiplying).
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(sorted(LOSS_AGG_MODES))}")
+    fn = LOSS_AGG_MODES.get(mode, None)
+    if fn is None:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES.names())}")
     if loss_mat.shape != mask.shape:
         raise ValueError(f"loss and mask shapes differ: {tuple(loss_mat.shape)} vs {tuple(mask.shape)}")
-    fn = LOSS_AGG_MODES[mode]
     given = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_len": norm_len}
     declared = inspect.signature(fn).parameters
     return fn(loss_mat, mask, **{k: v for k, v in given.items() if k in declared and v is not None})

@@ -12,9 +12,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from grouprl.registry import Registry
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
-KL_ESTIMATORS: dict[str, KLEstimator] = {}
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", error=ValueError)
 
 
 def register_kl_estimator(*names: str, overwrite: bool = False) -> Callable[[KLEstimator], KLEstimator]:
@@ -22,9 +24,7 @@ def register_kl_estimator(*names: str, overwrite: bool = False) -> Callable[[KLE
 
     def decorator(fn: KLEstimator) -> KLEstimator:
         for name in names:
-            if name in KL_ESTIMATORS and not overwrite:
-                raise ValueError(f"KL estimator {name!r} is already registered (pass overwrite=True to replace it)")
-            KL_ESTIMATORS[name] = fn
+            KL_ESTIMATORS.register(name, fn, overwrite=overwrite)
         return fn
 
     return decorator
@@ -67,12 +67,13 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str, *, response_ma
     nan or inf there (padding, template tokens) reaches neither the value nor the gradient;
     masking the result afterwards would not save the gradient (k3's exp backward: 0 * nan).
     """
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(sorted(KL_ESTIMATORS))}")
+    estimator = KL_ESTIMATORS.get(kind, None)
+    if estimator is None:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_ESTIMATORS.names())}")
     if response_mask is None:
-        return KL_ESTIMATORS[kind](log_prob, ref_log_prob)
+        return estimator(log_prob, ref_log_prob)
     if response_mask.shape != log_prob.shape:
         raise ValueError(f"response_mask must have shape {tuple(log_prob.shape)}; got {tuple(response_mask.shape)}")
     valid = response_mask != 0
-    kl = KL_ESTIMATORS[kind](torch.where(valid, log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0))
+    kl = estimator(torch.where(valid, log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0))
     return torch.where(valid, kl, 0.0)

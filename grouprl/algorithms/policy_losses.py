@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from grouprl.algorithms.aggregation import aggregate_loss
+from grouprl.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_len")
@@ -52,19 +53,12 @@ class PolicyLossTerms:
 
 PolicyLoss = Callable[..., PolicyLossTerms]
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", error=ValueError)
 
 
 def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator adding ``fn(log_prob, old_log_prob, advantages, response_mask, *, ...) -> PolicyLossTerms``."""
-
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES and not overwrite:
-            raise ValueError(f"policy loss {name!r} is already registered (pass overwrite=True to replace it)")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
+    return POLICY_LOSSES.register(name, overwrite=overwrite)
 
 
 def clamped_log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
@@ -298,8 +292,9 @@ def compute_policy_loss(
     ``dual_clipfrac`` (vanilla with ``clip_ratio_dual``; 0 otherwise), ``ppo_kl`` mean of -d, ``ratio_mean`` mean of the
     ratio the loss used (sequence ratio for GSPO).
     """
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {', '.join(sorted(POLICY_LOSSES))}")
+    fn = POLICY_LOSSES.get(name, None)
+    if fn is None:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {', '.join(POLICY_LOSSES.names())}")
     shapes = {t.shape for t in (log_prob, old_log_prob, advantages, response_mask)}
     if len(shapes) != 1 or log_prob.dim() != 2:
         raise ValueError(
@@ -308,7 +303,6 @@ def compute_policy_loss(
         )
     if token_weights is not None and token_weights.shape != log_prob.shape:
         raise ValueError(f"token_weights must have shape {tuple(log_prob.shape)}; got {tuple(token_weights.shape)}")
-    fn = POLICY_LOSSES[name]
     declared = inspect.signature(fn).parameters
     agg_options = {k: options.pop(k) for k in AGGREGATION_OPTIONS if k in options}
     own = sorted(

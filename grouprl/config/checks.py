@@ -11,9 +11,11 @@ from pathlib import Path
 from grouprl.config.schema import Config, ConfigError
 
 
-def _check_name(key: str, value: str, registry: dict) -> None:
-    if value not in registry:
-        raise ConfigError(f"config key '{key}' accepts one of {', '.join(sorted(registry))}; got {value!r}")
+def _check_name(key: str, value: str, registry) -> None:
+    """``value`` is a name in ``registry`` (a :class:`grouprl.registry.Registry`, plugins' names included)."""
+    known = registry.names()
+    if value not in known:
+        raise ConfigError(f"config key '{key}' accepts one of {', '.join(known)}; got {value!r}")
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
@@ -24,14 +26,14 @@ def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
 def validate(config: Config) -> None:
     """Checks that need more than one field or a registry."""
     from grouprl import algorithms  # registries are pluggable, so read them at validation time
-    from grouprl.rollout.engine import engine_names
+    from grouprl.rollout.engine import ROLLOUT_ENGINES
 
     algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
     _check_name("algorithm.adv_estimator", algo.adv_estimator, algorithms.ADVANTAGE_ESTIMATORS)
     _check_name("algorithm.policy_loss", algo.policy_loss, algorithms.POLICY_LOSSES)
     _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
     _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
-    _check_name("worker.rollout.engine", rollout.engine, dict.fromkeys(engine_names()))
+    _check_name("worker.rollout.engine", rollout.engine, ROLLOUT_ENGINES)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
     if rollout.temperature <= 0:

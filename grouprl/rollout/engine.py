@@ -20,13 +20,13 @@ Register another with ``register_engine(name, "package.module:Class")`` (or the 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from grouprl.data.sample import Sample
+from grouprl.registry import Registry
 from grouprl.rollout.batch import RolloutBatch
 
 
@@ -137,37 +137,33 @@ class RolloutEngine(abc.ABC):
 
 # ---------------------------------------------------------------------------- the registry
 
+
+def _check_engine(name: str, engine) -> None:
+    if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
+        raise TypeError(f"rollout engine {name!r} is {engine!r}, not a RolloutEngine subclass")
+
+
 # name -> "module:Class" (imported when first asked for, so optional engines cost nothing) or the class
-_ENGINES: dict[str, str | type[RolloutEngine]] = {
-    "hf": "grouprl.rollout.hf_engine:HFGenerationEngine",
-    "hf_static": "grouprl.rollout.static_engine:StaticCacheEngine",
-    "vllm": "grouprl.rollout.vllm_engine:VLLMEngine",
-}
+ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", error=ValueError, check=_check_engine)
+ROLLOUT_ENGINES.register("hf", "grouprl.rollout.hf_engine:HFGenerationEngine")
+ROLLOUT_ENGINES.register("hf_static", "grouprl.rollout.static_engine:StaticCacheEngine")
+ROLLOUT_ENGINES.register("vllm", "grouprl.rollout.vllm_engine:VLLMEngine")
 
 
 def register_engine(name: str, engine: str | type[RolloutEngine], *, overwrite: bool = False) -> None:
     """Make ``engine`` (a RolloutEngine subclass, or ``"module:Class"``) available as ``worker.rollout.engine: name``."""
-    if name in _ENGINES and not overwrite:
-        raise ValueError(f"rollout engine {name!r} is already registered (pass overwrite=True to replace it)")
-    _ENGINES[name] = engine
+    ROLLOUT_ENGINES.register(name, engine, overwrite=overwrite)
 
 
 def engine_names() -> list[str]:
-    return sorted(_ENGINES)
+    return ROLLOUT_ENGINES.names()
 
 
 def engine_class(name: str) -> type[RolloutEngine]:
     """The engine class registered as ``name`` (imported on first use)."""
-    if name not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names())}")
-    entry = _ENGINES[name]
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-        _ENGINES[name] = entry
-    if not (isinstance(entry, type) and issubclass(entry, RolloutEngine)):
-        raise TypeError(f"rollout engine {name!r} is {entry!r}, not a RolloutEngine subclass")
-    return entry
+    engine = ROLLOUT_ENGINES.get(name)
+    _check_engine(name, engine)  # a class registered directly is checked here, a reference when imported
+    return engine
 
 
 def build_engine(name: str, model, processor, *, config, holds_weights: bool = False) -> RolloutEngine:

@@ -15,12 +15,15 @@ for EditGRPO); the trainer asks every registered factory and keeps what they bui
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from grouprl.config import ConfigError
 from grouprl.registry import Registry
-from grouprl.rollout.batch import RolloutBatch
 
-RolloutTransform = Callable[[RolloutBatch], RolloutBatch]
+if TYPE_CHECKING:  # for the types only: a plugin registering a transform need not import torch
+    from grouprl.rollout.batch import RolloutBatch
+
+RolloutTransform = Callable[["RolloutBatch"], "RolloutBatch"]
 TransformFactory = Callable[..., "RolloutTransform | None"]
 
 ROLLOUT_TRANSFORMS: Registry[TransformFactory] = Registry("rollout transform", error=ConfigError)

@@ -154,8 +154,15 @@ def test_register_custom_estimator():
         mask = torch.tensor([[1, 0], [1, 1]])
         adv = compute_advantages("test_doubled", torch.tensor([1.0, 3.0]), torch.tensor([0, 1]), response_mask=mask, factor=3.0)
         close(adv, [[3.0, 0.0], [9.0, 9.0]])
+        register_advantage_estimator("test_doubled")(doubled)  # the same function again: a module run twice
+
+        def tripled(scores, group_index):
+            return scores * 3
+
         with pytest.raises(ValueError, match="already registered"):
-            register_advantage_estimator("test_doubled")(doubled)
+            register_advantage_estimator("test_doubled")(tripled)
+        register_advantage_estimator("test_doubled", overwrite=True)(tripled)
+        close(compute_advantages("test_doubled", torch.tensor([1.0]), torch.tensor([0])), [3.0])
     finally:
         del ADVANTAGE_ESTIMATORS["test_doubled"]
 

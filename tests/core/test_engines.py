@@ -8,8 +8,8 @@ import torch
 from grouprl.config import ConfigError, config_from_dict
 from grouprl.models.loading import load_model_and_processor
 from grouprl.models.inputs import encode_prompts
-from grouprl.rollout.engine import (EncodedPrompt, RolloutEngine, SamplingParams, build_engine, engine_class,
-                                    engine_names, register_engine)
+from grouprl.rollout.engine import (ROLLOUT_ENGINES, EncodedPrompt, RolloutEngine, SamplingParams, build_engine,
+                                    engine_class, engine_names, register_engine)
 from grouprl.rollout.hf_engine import HFGenerationEngine
 from grouprl.rollout.logprobs import compute_log_probs
 from grouprl.rollout.static_engine import StaticCacheEngine
@@ -48,16 +48,18 @@ def test_engines_are_chosen_by_name():
     class Mine(HFGenerationEngine):
         pass
 
+    class Other(HFGenerationEngine):
+        pass
+
     register_engine("_test_mine", Mine)
     try:
         assert engine_class("_test_mine") is Mine
         config = config_from_dict({"worker": {"rollout": {"engine": "_test_mine", "micro_batch_size": 3}}})
+        register_engine("_test_mine", Mine)  # the same class again: a module run twice
         with pytest.raises(ValueError, match="already registered"):
-            register_engine("_test_mine", Mine)
+            register_engine("_test_mine", Other)
     finally:
-        from grouprl.rollout import engine as registry
-
-        registry._ENGINES.pop("_test_mine")
+        ROLLOUT_ENGINES.unregister("_test_mine")
     assert config.worker.rollout.engine == "_test_mine"
 
 

@@ -86,7 +86,7 @@ def live_server():
              "c_length": Component("c_length", length_ratio, "test=length"),
              "c_flaky": Component("c_flaky", FLAKY, "test=flaky"),
              "c_slow": Component("c_slow", SLOW, "test=slow")}
-    saved = {k: COMPONENTS.get(k) for k in added}
+    saved = {k: COMPONENTS.get(k, None) for k in added}
     COMPONENTS.update(added)
     app = server.create_app(default_components=["c_exact", "c_length"], token=TOKEN, scoring_threads=4,
                             extract_report=lambda text, type: text)

@@ -1,13 +1,26 @@
 """The diffusion domain's parts, registered by name (the ``diffusion`` entry point of ``grouprl.plugins``).
 
-Registered lazily: naming a part imports its module, so loading the plugin imports
-neither diffusers nor the image rewards.
+The image rewards (``ocr``, ``vlm_judge``, ``image_brightness``, ``shapes``), the flow
+trainer as the trainer kind ``flow`` (a config file with ``kind: flow``) and the
+Flow-GRPO-Fast demo as `grouprl demo --flow`. Registered lazily: naming a part imports
+its module, so loading the plugin imports neither diffusers nor the image rewards.
 """
 
+from grouprl.cli import DEMOS, Demo
 from grouprl.rewards.registry import register_image_reward
+from grouprl.trainer.kinds import TRAINER_KINDS, TrainerKind
 
 # The image rewards (grouprl.domains.diffusion.rewards), by the names configs use.
 register_image_reward("ocr", "grouprl.domains.diffusion.rewards:ocr_reward")
 register_image_reward("vlm_judge", "grouprl.domains.diffusion.rewards:vlm_judge_reward")
 register_image_reward("image_brightness", "grouprl.domains.diffusion.rewards:image_brightness_reward")
 register_image_reward("shapes", "grouprl.domains.diffusion.rewards:shapes_task_reward")
+
+TRAINER_KINDS.register("flow", TrainerKind(
+    config="grouprl.domains.diffusion.config:flow_config_from_dict",
+    trainer="grouprl.domains.diffusion.trainer:FlowGRPOTrainer",
+    description="Flow-GRPO and its family on flow-matching image models (needs grouprl[diffusion])"))
+DEMOS.register("flow", Demo(
+    run="grouprl.domains.diffusion.demo:run_flow_demo", flag="--flow",
+    help="Flow-GRPO-Fast on a tiny SD3 transformer drawing coloured squares (needs grouprl[diffusion]): "
+         "pretrain, then RL against a rule reward, compared on held-out prompts (default out runs/demo-flow)"))

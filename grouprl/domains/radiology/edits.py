@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grouprl.models.inputs import end_of_turn_id, tokenizer_of
+from grouprl.registry import Registry
 from grouprl.domains.radiology.rewards.entities import ReportGraph, sentence_spans, split_sentences
 from grouprl.domains.radiology.rewards.ratescore import EntityMatching, RateEntity, match_entities, rate_entities, text_similarity
 from grouprl.rollout.batch import RolloutBatch
@@ -76,27 +77,22 @@ class EditResult:
 
 # ----------------------------------------------------------------------------- extractors
 Extractor = Callable[[str, str], EntityMatching]
-EXTRACTORS: dict[str, Extractor] = {}
+EXTRACTORS: Registry[Extractor] = Registry("extractor", error=ValueError)
 # Extractors that run a model from a local directory (``extractor_model_path``): built by
 # build_extractor, never taken from EXTRACTORS.
 MODEL_EXTRACTORS = ("ratescore", "radgraph")
 MODEL_PATH_KEY = "worker.rollout.extractor_model_path"
 
 
-def register_extractor(name: str) -> Callable[[Extractor], Extractor]:
-    """Register ``f(response, reference) -> EntityMatching`` under ``name`` (``extractor_type``)."""
+def register_extractor(name: str, *, overwrite: bool = False) -> Callable[[Extractor], Extractor]:
+    """Decorator registering ``f(response, reference) -> EntityMatching`` under ``name`` (``extractor_type``)."""
     if name in MODEL_EXTRACTORS:
         raise ValueError(f"{name!r} is a model extractor (built by build_extractor); register under another name")
-
-    def add(fn: Extractor) -> Extractor:
-        EXTRACTORS[name] = fn
-        return fn
-
-    return add
+    return EXTRACTORS.register(name, overwrite=overwrite)
 
 
 def available_extractors() -> list[str]:
-    return sorted(set(EXTRACTORS) | set(MODEL_EXTRACTORS))
+    return sorted(set(EXTRACTORS.names()) | set(MODEL_EXTRACTORS))
 
 
 def get_extractor(name: str) -> Extractor:
@@ -104,10 +100,10 @@ def get_extractor(name: str) -> Extractor:
     if name in MODEL_EXTRACTORS:
         raise ValueError(f"extractor {name!r} runs a model: build it with build_extractor({name!r}, model_path) "
                          f"(config key {MODEL_PATH_KEY})")
-    try:
-        return EXTRACTORS[name]
-    except KeyError:
-        raise ValueError(f"unknown extractor {name!r}; available extractors: {available_extractors()}") from None
+    extractor = EXTRACTORS.get(name, None)
+    if extractor is None:
+        raise ValueError(f"unknown extractor {name!r}; available extractors: {available_extractors()}")
+    return extractor
 
 
 def build_extractor(name: str, model_path: str | None = None) -> Extractor:
@@ -128,12 +124,13 @@ def build_extractor(name: str, model_path: str | None = None) -> Extractor:
         if model_path is None or not str(model_path).strip():
             raise ValueError(f"extractor {name!r} needs a local model directory: set {MODEL_PATH_KEY}")
         return _model_extractor(name, str(model_path))
-    if name not in EXTRACTORS:
+    extractor = EXTRACTORS.get(name, None)
+    if extractor is None:
         raise ValueError(f"unknown extractor {name!r}; available extractors: {available_extractors()}")
     if model_path is not None:
         raise ValueError(f"{MODEL_PATH_KEY} is only read by the model extractors {list(MODEL_EXTRACTORS)}, "
                          f"not by {name!r}; unset it")
-    return EXTRACTORS[name]
+    return extractor
 
 
 def _model_extractor(name: str, model_path: str) -> Extractor:

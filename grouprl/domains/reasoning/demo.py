@@ -41,6 +41,10 @@ GUIDED_RESPONSE_TOKENS = 48  # the worked solutions are 25-35 tokens
 GUIDED_RUNS = {"grpo": "SFT+GRPO", "guided": "SFT+Guided-GRPO"}
 
 
+def _model_config(model_path: str) -> dict:
+    return {"model_path": model_path, "dtype": "float32"}
+
+
 def guided_demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tuple[dict, dict, dict]:
     """The SFT, GRPO and Guided-GRPO configs of ``grouprl demo --guided``, as plain dicts."""
     common_data = {"train_files": [str(data["train"])], "val_files": [], "format": "auto",

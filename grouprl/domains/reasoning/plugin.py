@@ -1,8 +1,15 @@
 """The reasoning domain's parts, registered by name (the ``reasoning`` entry point of ``grouprl.plugins``).
 
-Registered lazily: naming a part imports its module, so loading the plugin costs nothing.
+The rule verifier as the verifier backend ``rule``, and Guided-GRPO's demo as
+`grouprl demo --guided`. Registered lazily: naming a part imports its module, so loading
+the plugin costs nothing.
 """
 
+from grouprl.cli import DEMOS, Demo
 from grouprl.rollout.verifier import VERIFIER_BACKENDS
 
 VERIFIER_BACKENDS.register("rule", "grouprl.domains.reasoning.verifier:RuleVerifier")
+DEMOS.register("guided", Demo(
+    run="grouprl.domains.reasoning.demo:run_guided_demo", flag="--guided",
+    help="Guided-GRPO's demo: synthetic arithmetic word problems, SFT, then GRPO and Guided-GRPO (rule verifier, "
+         "at most 3 turns) from the same SFT model, compared on held-out problems (default out runs/demo-guided)"))

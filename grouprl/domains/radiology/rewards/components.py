@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from grouprl.registry import Registry
 from grouprl.domains.radiology.rewards.batch_parses import batch_scope
 
 ComponentFn = Callable[[list[str], list[str]], list[float]]
@@ -26,6 +27,9 @@ ComponentFn = Callable[[list[str], list[str]], list[float]]
 
 @dataclass(frozen=True)
 class Component:
+    """A registered score function with what a report of its values needs: where it came from
+    (``backend``), one line saying what it measures, and its direction."""
+
     name: str
     fn: ComponentFn
     backend: str  # e.g. "labeler=rules", "encoder=all-MiniLM-L6-v2"
@@ -33,27 +37,30 @@ class Component:
     higher_is_better: bool = True
 
 
-COMPONENTS: dict[str, Component] = {}
+COMPONENTS: Registry[Component] = Registry("report score component", error=KeyError)
 
 
-def register_component(name: str, *, backend: str, description: str = "", higher_is_better: bool = True):
-    """Decorator: register ``fn(hyps, refs) -> list[float]`` under ``name``."""
+def register_component(name: str, *, backend: str, description: str = "", higher_is_better: bool = True,
+                       overwrite: bool = False):
+    """Decorator: register ``fn(hyps, refs) -> list[float]`` under ``name``, as a :class:`Component`.
+
+    The same function with the same metadata may be registered again (a module imported
+    twice); anything else under a taken name is a ValueError unless ``overwrite=True``.
+    The description defaults to the first line of the function's docstring.
+    """
 
     def wrap(fn: ComponentFn) -> ComponentFn:
-        existing = COMPONENTS.get(name)
-        if existing is not None and existing.fn is not fn:
-            raise ValueError(f"report score component {name!r} is already registered ({existing.fn.__module__})")
-        COMPONENTS[name] = Component(name, fn, backend, description or (fn.__doc__ or "").strip().split("\n")[0],
-                                     higher_is_better)
+        first_line = (fn.__doc__ or "").strip().split("\n")[0]
+        COMPONENTS.register(name, Component(name, fn, backend, description or first_line, higher_is_better),
+                            overwrite=overwrite)
         return fn
 
     return wrap
 
 
 def get_component(name: str) -> Component:
-    if name not in COMPONENTS:
-        raise KeyError(f"unknown report score component {name!r}; known: {', '.join(sorted(COMPONENTS))}")
-    return COMPONENTS[name]
+    """The component registered as ``name``; KeyError naming the known ones (and the closest) otherwise."""
+    return COMPONENTS.get(name)
 
 
 def score_components(hyps: Sequence[str], refs: Sequence[str], names: Sequence[str]) -> dict[str, list[float]]:

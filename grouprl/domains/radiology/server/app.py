@@ -161,7 +161,7 @@ class ScoringProcessDied(RuntimeError):
 # ----------------------------------------------------------------------------- components
 
 
-def load_report_components() -> dict[str, Any]:
+def load_report_components() -> Mapping[str, Any]:
     """The registry of report score components; importing the radiology package registers them all.
 
     Their optional libraries (sentence encoders, pycocoevalcap, httpx) load only when

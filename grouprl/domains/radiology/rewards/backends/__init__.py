@@ -68,13 +68,13 @@ def register_backend_component(name: str, backend: str, fn: ComponentFn, descrip
     A different backend under a taken name is refused unless ``replace=True``, so two
     checkpoints never silently share one component name.
     """
-    existing = COMPONENTS.get(name)
+    existing = COMPONENTS.get(name, None)
     if existing is not None:
         if existing.backend == backend and not replace:
             return existing
         if not replace:
             raise ValueError(f"report score component {name!r} is already registered with backend "
                              f"{existing.backend!r}; pass replace=True to swap it for {backend!r}")
-        del COMPONENTS[name]
-    register_component(name, backend=backend, description=description, higher_is_better=higher_is_better)(fn)
+    register_component(name, backend=backend, description=description, higher_is_better=higher_is_better,
+                       overwrite=True)(fn)
     return COMPONENTS[name]
