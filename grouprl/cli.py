@@ -15,11 +15,15 @@ demos to ``DEMOS`` (chosen by a flag of `grouprl demo`). The parser is built fro
 registries, so building it loads the installed plugins and `grouprl --help` lists them all.
 
 Under `accelerate launch -m grouprl ...` the same commands run on several processes.
+
+`grouprl train` stopped by SIGTERM or SIGINT saves a checkpoint and exits with status 128 + the
+signal's number (143, 130; see ``trainer.save_on_signal``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,10 +119,17 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from grouprl.config import read_config_values
     from grouprl.trainer.kinds import trainer_kind
+    from grouprl.trainer.signals import TrainingStopped, exit_status
 
-    values = read_config_values(args.config, args.overrides)
-    config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
-    trainer.train()
+    try:
+        values = read_config_values(args.config, args.overrides)
+        config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
+        trainer.train()
+    except TrainingStopped as stopped:  # the loop saved and named the checkpoint (trainer.save_on_signal)
+        return stopped.exit_status
+    except KeyboardInterrupt:  # Ctrl-C before training began, or with trainer.save_on_signal false
+        print("grouprl: interrupted (SIGINT); no checkpoint written", file=sys.stderr)
+        return exit_status(signal.SIGINT)
     if trainer.is_main:
         print(f"run directory: {config.run_dir.resolve()}")
     return 0

@@ -426,6 +426,14 @@ class TrainerConfig:
     # generate and score step k+1's batch (with the weights before step k's update) while
     # step k trains; its old log-probs are recomputed and the staleness is logged.
     async_mode: str = field(default="sync", metadata=choices("sync", "async_reward", "one_step_off"))
+    # SIGTERM (Slurm, scancel, Kubernetes) or SIGINT (Ctrl-C) during training: the step in progress
+    # finishes, every process saves its checkpoint together, one line names it, and `grouprl train`
+    # exits with status 128 + the signal's number (143 for SIGTERM, 130 for SIGINT). A second signal
+    # (more than 2 s after the first) exits at once with 128 + its number, without saving; the
+    # previous checkpoint stays usable. Under torchrun, raise --shutdown_timeout (default 30 s) if a
+    # step and a save take longer: the agent kills its workers that long after forwarding the signal.
+    # false: SIGTERM ends the process at once, SIGINT stops it with one line (status 130), no save.
+    save_on_signal: bool = True
 
 
 @dataclass

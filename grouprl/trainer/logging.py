@@ -88,7 +88,8 @@ class MetricsLogger:
     """Writes one dict of scalar metrics per step to each enabled backend.
 
     ``resume_step``: the step of the checkpoint a resumed run starts from. The JSONL file is cut back
-    to it and TensorBoard hides the killed run's events after it; None (a fresh run) appends.
+    to it and TensorBoard hides the killed run's events after it; -1 (the run loop's fresh start) drops
+    every step, e.g. those of an attempt killed before its first checkpoint; None appends.
     """
 
     def __init__(self, run_dir: Path, backends: list[str], *, total_steps: int, config: dict | None = None,

@@ -5,12 +5,19 @@ everything around the steps lives here once, so that language and image runs res
 log the same way. ``TrainingLoop.train`` runs these stages:
 
     1. config.yaml and run_info.json (main process)
-    2. resume from ``trainer.resume``; the writers cut their files back to the resumed step
+    2. resume from ``trainer.resume``; the writers cut their files back to the resumed step, or
+       on a fresh start drop every step's rows (an earlier attempt killed before its first
+       checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
     4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
        loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
        -> a checkpoint every ``trainer.save_freq`` steps
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
+
+On SIGTERM or SIGINT (``trainer.save_on_signal``, see ``trainer.signals``) the step in progress
+finishes, the processes agree at the step boundary to stop, save that step's checkpoint together
+(unless stage 4 just wrote it), the main process prints one line naming it, and ``train`` raises
+``TrainingStopped`` (``grouprl train`` exits with 128 + the signal's number).
 
 Hooks: a trainer implements ``step`` (returning a :class:`StepResult`), ``rollout`` (one step's
 batch, sampled now) and ``validate``; it may override ``rollout_ahead`` and
@@ -43,6 +50,7 @@ from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts
+from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
 
 
 @dataclass
@@ -151,6 +159,7 @@ class TrainingLoop(abc.ABC):
         self.prefetcher = OneStepOffPrefetcher()  # started only under one_step_off
         self.last_step: StepResult | None = None  # the last training step's result
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
+        self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
 
     # ------------------------------------------------------------------ hooks
 
@@ -236,6 +245,8 @@ class TrainingLoop(abc.ABC):
         self.stream.load_state(self.state.extra["stream"])
         self._consumed_stream = self.stream.state()
         self.on_resume()
+        if path.resolve().parent == self.config.checkpoint_dir.resolve():  # not one of another run's
+            self._checkpointed_step = self.state.global_step
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
 
@@ -259,6 +270,7 @@ class TrainingLoop(abc.ABC):
                                         save_limit=self.config.trainer.save_limit, rng_states=rng_states,
                                         model_state_dict=model_state)
         self.accelerator.wait_for_everyone()
+        self._checkpointed_step = self.state.global_step
         return path
 
     # ------------------------------------------------------------------ the run
@@ -291,15 +303,26 @@ class TrainingLoop(abc.ABC):
         self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
 
     def train(self) -> dict[str, float]:
-        """Run the remaining steps; returns the last step's metrics, reduced over processes."""
+        """Run the remaining steps; returns the last step's metrics, reduced over processes.
+
+        Raises :class:`~grouprl.trainer.signals.TrainingStopped` when a signal stopped the run
+        (with ``trainer.save_on_signal``, after saving the last finished step).
+        """
+        t = self.config.trainer
+        label = f"[process {self.accelerator.process_index}] " if self.accelerator.num_processes > 1 else ""
+        with StopRequest(t.save_on_signal, label=label) as stop:
+            return self._train(stop)
+
+    def _train(self, stop: StopRequest) -> dict[str, float]:
         t = self.config.trainer
         # 1. what the run is
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")
             write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
-        # 2. where it starts: a killed run's lines after its last checkpoint are written again below
-        resume_step = self.state.global_step if self.resume() else None
+        # 2. where it starts: a killed run's lines after its last checkpoint are written again below;
+        # a fresh start writes every step again (-1 keeps no step's rows, validation's step 0 included)
+        resume_step = self.state.global_step if self.resume() else -1
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
@@ -309,6 +332,8 @@ class TrainingLoop(abc.ABC):
                 self._validate(0, writers)
             # 4. the steps
             while self.state.global_step < self.total_steps:
+                if t.save_on_signal and (signum := stop.agreed(self.accelerator)):
+                    self._stop(signum, stop)
                 step = self.state.global_step + 1
                 result = self.step(step)
                 self.last_step = result
@@ -323,10 +348,25 @@ class TrainingLoop(abc.ABC):
                     self._validate(step, writers)
                 if t.save_freq > 0 and step % t.save_freq == 0:
                     self.save()
-            # 5. the end
-            if not (t.save_freq > 0 and self.state.global_step % t.save_freq == 0):
+            # 5. the end (a signal during the last step changes nothing: the run is complete)
+            if self._checkpointed_step != self.state.global_step:
                 self.save()
         finally:
             self.prefetcher.close()
             writers.close()
         return last
+
+    def _stop(self, signum: int, stop: StopRequest) -> None:
+        """Every process: checkpoint the last finished step (unless on disk already), name it, raise."""
+        step = self.state.global_step
+        path = None
+        if step > 0:
+            if self._checkpointed_step != step:
+                self.save()
+            path = (self.config.checkpoint_dir / f"global_step_{step}").resolve()
+            stop.checkpoint_written = path
+        if self.is_main:
+            where = (f"checkpoint {path} (resume with trainer.resume=auto)" if path is not None
+                     else "no step was trained, no checkpoint written")
+            print(f"grouprl: stopped by {signal_name(signum)} after step {step}: {where}", flush=True)
+        raise TrainingStopped(signum, step, path)

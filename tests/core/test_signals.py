@@ -1,0 +1,203 @@
+"""A run stopped by SIGTERM or SIGINT saves its last finished step, names it and resumes from it;
+a killed run, checkpointed or not, logs each step once after resuming.
+
+The signals come from the run itself: a reward sends them once step ``after_step`` is in
+metrics.jsonl, i.e. while the next step is being scored. That makes the step in progress
+known without timing: it finishes, and its checkpoint is the one the stop saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grouprl.config import config_from_dict
+from grouprl.trainer import checkpoint as ckpt
+from grouprl.trainer.grpo import GRPOTrainer
+from grouprl.trainer.signals import TrainingStopped
+
+HERE = Path(__file__).parent
+SIGNALLING_REWARD = HERE / "distributed" / "signalling_reward.py"
+ROWS_PER_STEP = 4 * 2  # rollout_batch_size x worker.rollout.n
+
+
+@pytest.fixture(scope="module")
+def task(say_task):
+    return say_task(2)
+
+
+def write_config(task, run: Path, path: Path, **overrides) -> Path:
+    values = task.config(run, [{"name": f"{SIGNALLING_REWARD}:length_and_signals"}], **{
+        "worker.rollout.n": 2, "worker.actor.global_batch_size": 2, "trainer.max_steps": 3, "trainer.save_freq": -1, "trainer.log_completions": True,
+        **overrides})
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def plan(run: Path, after_step: int, signals: list[int], **extra) -> dict[str, str]:
+    """The environment that makes the reward send ``signals`` once ``after_step`` is logged."""
+    return {"SIGNAL_PLAN": json.dumps({"metrics": str(run / "metrics.jsonl"), "after_step": after_step,
+                                       "signals": signals, **extra})}
+
+
+def grouprl(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "SIGNAL_PLAN"}
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "grouprl", *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SIGNAL_PLAN")}
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "grouprl", *args]
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+
+
+def steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def checkpoints(run: Path) -> list[int]:
+    return [step for step, _ in ckpt.step_dirs(run / "checkpoints")] if (run / "checkpoints").exists() else []
+
+
+def assert_each_step_once(run: Path, last: int, *, val: bool = False) -> None:
+    every = list(range(1, last + 1))
+    assert steps(run / "metrics.jsonl") == (sorted(every + [0] + every) if val else every)
+    for name in ("rollouts.jsonl", "completions.jsonl"):
+        assert steps(run / name) == [s for s in every for _ in range(ROWS_PER_STEP)], name
+
+
+def stop_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "stopped by" in line]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_step_in_progress_and_the_run_resumes_from_it(task, tmp_path, signum):
+    run = tmp_path / "run"
+    config = write_config(task, run, tmp_path / "config.yaml")
+    stopped = grouprl("train", str(config), cwd=tmp_path, env=plan(run, 1, [int(signum)]))
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    # the signal came while step 2 was scored: step 2 finished and is the checkpoint
+    assert checkpoints(run) == [2]
+    (line,) = stop_lines(stopped)
+    assert str((run / "checkpoints" / "global_step_2").resolve()) in line and signum.name in line
+    assert_each_step_once(run, 2)
+
+    resumed = grouprl("train", str(config), "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "global_step_2 at step 2" in resumed.stdout
+    assert checkpoints(run) == [2, 3]
+    assert_each_step_once(run, 3)
+
+
+def test_a_second_signal_exits_at_once_without_saving(task, tmp_path):
+    """The second SIGTERM comes (past the window in which a repeat counts as the same request)
+    while step 2 is still being scored: nothing is saved, step 2 is not logged."""
+    run = tmp_path / "run"
+    config = write_config(task, run, tmp_path / "config.yaml")
+    stopped = grouprl("train", str(config), cwd=tmp_path,
+                      env=plan(run, 1, [int(signal.SIGTERM), int(signal.SIGTERM)], pause_s=3.0))
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "SIGTERM again: exiting now without saving" in stopped.stderr
+    assert checkpoints(run) == [] and not stop_lines(stopped)
+    assert steps(run / "metrics.jsonl") == [1]
+
+
+def test_without_save_on_signal_sigint_stops_with_one_line_and_no_checkpoint(task, tmp_path):
+    run = tmp_path / "run"
+    config = write_config(task, run, tmp_path / "config.yaml", **{"trainer.save_on_signal": False})
+    stopped = grouprl("train", str(config), cwd=tmp_path, env=plan(run, 1, [int(signal.SIGINT)]))
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "interrupted" in stopped.stderr
+    assert checkpoints(run) == []
+
+
+def test_kill_before_the_first_checkpoint_then_resume_logs_each_step_once(task, tmp_path):
+    """SIGKILL while step 3 is scored (no checkpoint yet): resume=auto starts afresh and rewrites
+    every log, validation's and TensorBoard's included, instead of appending to the killed run's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    config = write_config(task, run, tmp_path / "config.yaml", **{
+        "trainer.max_steps": 4, "trainer.logger": ["jsonl", "tensorboard"], "trainer.val_before_train": True,
+        "trainer.val_freq": 1, "data.val_files": [str(task.data)]})
+    killed = grouprl("train", str(config), cwd=tmp_path, env=plan(run, 2, [int(signal.SIGKILL)]))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert checkpoints(run) == []
+    assert 2 in steps(run / "metrics.jsonl")  # the killed run logged steps: they must not show twice
+
+    resumed = grouprl("train", str(config), "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_each_step_once(run, 4, val=True)
+    val_steps = sorted(set(steps(run / "val_generations.jsonl")))
+    assert val_steps == [0, 1, 2, 3, 4]
+    per_step = [steps(run / "val_generations.jsonl").count(s) for s in val_steps]
+    assert len(set(per_step)) == 1, per_step
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("val/reward/mean")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("target", ["one process", "torchrun"])
+def test_two_processes_stop_together_on_a_signal_to_either(task, tmp_path, target):
+    """Process 1 alone gets SIGTERM (process 0 learns it at the step boundary), or torchrun gets it
+    and forwards it to both: both save step 2 together, and a run resumes from it."""
+    run = tmp_path / "run"
+    config = write_config(task, run, tmp_path / "config.yaml")
+    extra = {"rank": 1} if target == "one process" else {"rank": 0, "target": "parent"}
+    stopped = torchrun("train", str(config), cwd=tmp_path, env=plan(run, 1, [int(signal.SIGTERM)], **extra))
+    assert json.loads((run / "run_info.json").read_text())["num_processes"] == 2
+    assert stopped.returncode != 0
+    assert checkpoints(run) == [2], stopped.stderr[-4000:]
+    (line,) = stop_lines(stopped)
+    assert str((run / "checkpoints" / "global_step_2").resolve()) in line
+    received = [line for line in stopped.stderr.splitlines() if "SIGTERM received" in line]
+    assert len(received) == (1 if target == "one process" else 2), stopped.stderr[-4000:]
+    # every process took part in the save: each one's RNG state is in it
+    rng = ckpt.load_state_dict(run / "checkpoints" / "global_step_2", "rng")
+    assert len(rng["processes"]) == 2
+    assert_each_step_once(run, 2)
+
+    resumed = grouprl("train", str(config), "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_each_step_once(run, 3)
+
+
+def test_library_train_restores_the_signal_handlers(task, tmp_path, monkeypatch):
+    """In process: a SIGINT during step 2 stops train() with TrainingStopped after saving step 2,
+    and train() leaves the handlers it found, here and after a run that ends normally."""
+    values = yaml.safe_load(write_config(task, tmp_path / "run", tmp_path / "config.yaml").read_text())
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    trainer = GRPOTrainer(config_from_dict(values))
+    step = trainer.step
+
+    def signalling(current):
+        if current == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(current)
+
+    monkeypatch.setattr(trainer, "step", signalling)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.train()
+    assert stopped.value.step == 2 and stopped.value.exit_status == 130
+    assert stopped.value.checkpoint == (tmp_path / "run" / "checkpoints" / "global_step_2").resolve()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+    values["trainer"]["resume"] = "auto"
+    resumed = GRPOTrainer(config_from_dict(values))
+    resumed.train()
+    assert resumed.state.global_step == 3
+    assert {s: signal.getsignal(s) for s in before} == before
