@@ -61,7 +61,17 @@ def torchrun(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "grouprl", *args]
-    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+    with subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            # e.g. processes that disagree about stopping, stuck in different collectives: torchrun
+            # on SIGTERM ends its workers (they run in sessions of their own, a kill would orphan them)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+            pytest.fail(f"torchrun did not finish in 600 s:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def steps(path: Path) -> list[int]:
@@ -162,8 +172,11 @@ def test_two_processes_stop_together_on_a_signal_to_either(task, tmp_path, targe
     stopped = torchrun("train", str(config), cwd=tmp_path, env=plan(run, 1, [int(signal.SIGTERM)], **extra))
     assert json.loads((run / "run_info.json").read_text())["num_processes"] == 2
     assert stopped.returncode != 0  # torchrun's own: 1, as for any worker that fails
-    if target == "one process":  # torchrun names each worker's status: both stopped with 143
-        assert len(re.findall(r"exitcode\s*:\s*143\b", stopped.stderr)) == 2, stopped.stderr[-4000:]
+    if target == "one process":
+        # torchrun names the workers' statuses: 143, or -15 for one it ended itself (SIGTERM) once its
+        # peer had exited, after the save, while it was exiting too
+        statuses = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", stopped.stderr))
+        assert "143" in statuses.values() and set(statuses.values()) <= {"143", "-15"}, stopped.stderr[-4000:]
     assert checkpoints(run) == [2], stopped.stderr[-4000:]
     (line,) = stop_lines(stopped)
     assert str((run / "checkpoints" / "global_step_2").resolve()) in line
