@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad config or data file, or a bad use of a command, is one line on
-    stderr and exit code 2, not a traceback."""
+    stderr and exit code 2, not a traceback; a run stopped by a signal exits with 128 + its number."""
     from grouprl.config import ConfigError
     from grouprl.data.formats import DataError
     from grouprl.data.images import ImageError
+    from grouprl.trainer.signals import TrainingStopped
 
     args = build_parser().parse_args(argv)
     if getattr(args, "config", None) and "=" in args.config:
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ImageError) as exc:  # the message names the file, the record and the field
         print(f"grouprl: data error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as stopped:  # a signal stopped a run (train, a demo); the loop named its checkpoint
+        return stopped.exit_status
 
 
 # ----------------------------------------------------------------------------- train, sft, export
@@ -119,14 +122,12 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from grouprl.config import read_config_values
     from grouprl.trainer.kinds import trainer_kind
-    from grouprl.trainer.signals import TrainingStopped, exit_status
+    from grouprl.trainer.signals import exit_status
 
     try:
         values = read_config_values(args.config, args.overrides)
         config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
         trainer.train()
-    except TrainingStopped as stopped:  # the loop saved and named the checkpoint (trainer.save_on_signal)
-        return stopped.exit_status
     except KeyboardInterrupt:  # Ctrl-C before training began, or with trainer.save_on_signal false
         print("grouprl: interrupted (SIGINT); no checkpoint written", file=sys.stderr)
         return exit_status(signal.SIGINT)
