@@ -27,6 +27,7 @@ from grouprl.rewards.contract import (
     RewardError,
     RewardResult,
     RewardSpec,
+    UnscoredError,
     weighted_total,
 )
 from grouprl.rewards.registry import (
@@ -66,6 +67,7 @@ __all__ = [
     "RewardResult",
     "RewardSet",
     "RewardSpec",
+    "UnscoredError",
     "accuracy_reward",
     "extract_answer",
     "extract_boxed",

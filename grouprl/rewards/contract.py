@@ -50,6 +50,15 @@ class RewardError(RuntimeError):
         self.row = row
 
 
+class UnscoredError(RewardError):
+    """No reward applied where a score was needed: a row scored without ``allow_unscored``, or a
+    training step in which no row got a score (``trainer.fail_on_unscored_steps``).
+
+    Its own class because the message says all there is (which rewards, which row or step), so
+    ``grouprl train`` reports it in one line where a reward that raised keeps its traceback.
+    """
+
+
 @dataclass
 class RewardSpec:
     """One reward of a set, as written in config.

@@ -41,6 +41,7 @@ from grouprl.rewards.contract import (
     RewardError,
     RewardResult,
     RewardSpec,
+    UnscoredError,
     is_spec_object,
     reward_keys,
     weighted_total,
@@ -224,7 +225,7 @@ class RewardSet:
         if not allow_unscored and None in total:
             row = total.index(None)
             failed = f"; failed: {', '.join(f'{k} ({e})' for k, e in errors.items())}" if errors else ""
-            raise RewardError(
+            raise UnscoredError(
                 f"row {row}: every {contract.kind} returned None ({', '.join(self.keys)}){failed}; "
                 "at least one reward must apply to each row (or score with allow_unscored=True)",
                 row=row,

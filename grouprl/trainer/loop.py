@@ -43,6 +43,7 @@ from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts
+from grouprl.trainer.reward_metrics import UnscoredSteps
 
 
 @dataclass
@@ -303,6 +304,7 @@ class TrainingLoop(abc.ABC):
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
+        unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
         try:
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
@@ -317,6 +319,7 @@ class TrainingLoop(abc.ABC):
                 self.state.epoch = self._consumed_stream["epoch"]
                 self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]
                 writers.metrics.log(step, last)
+                unscored.check(step, last)  # after the log: a run stopped here shows the step
                 self._write(writers.rollouts, step, result.records)
                 self._write(writers.completions, step, result.completions)
                 if t.val_freq > 0 and step % t.val_freq == 0:
