@@ -61,7 +61,8 @@ class UnscoredSteps:
         """``values``: step ``step``'s metrics, reduced over every process."""
         if values.get(UNSCORED_STEPS) != 1.0:
             return
-        what = f"step {step}: no row was scored (every reward returned None: {', '.join(self.rewards)})"
+        # None from every reward, or an on_error: none reward that failed: either way nothing applied
+        what = f"step {step}: no row was scored (no reward applied to any row: {', '.join(self.rewards)})"
         if self.fail:
             raise UnscoredError(f"{what}; stopping, as trainer.fail_on_unscored_steps is set")
         if self.warn and not self.warned:
