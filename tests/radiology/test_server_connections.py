@@ -132,3 +132,13 @@ def test_header_timeout_must_be_a_positive_number():
     for bad in (0, -1, float("inf"), True, "30"):
         with pytest.raises(ValueError, match="header_timeout must be a positive number"):
             server.header_timeout_protocol(bad)
+
+
+def test_serve_rewards_takes_header_timeout(capsys):
+    """``--header-timeout`` reaches ``serve()``: a bad one is refused before any port is bound (a
+    bad port would be refused too, after it, with another message)."""
+    from grouprl.cli import main
+
+    assert main(["serve", "rewards", "--header-timeout", "0", "--port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert "header_timeout must be a positive number of seconds, got 0.0" in err
