@@ -426,7 +426,7 @@ class TrainerConfig:
     # generate and score step k+1's batch (with the weights before step k's update) while
     # step k trains; its old log-probs are recomputed and the staleness is logged.
     async_mode: str = field(default="sync", metadata=choices("sync", "async_reward", "one_step_off"))
-    # A step in which no row on any process got a score (every reward returned None) trains on
+    # A step in which no row on any process got a score (no reward applied to any) trains on
     # nothing. Such steps are counted (reward/unscored_steps) and the first is warned about; with
     # this the run stops there instead (a reward that never applies would otherwise train silently).
     fail_on_unscored_steps: bool = False
