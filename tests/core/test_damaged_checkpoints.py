@@ -182,7 +182,7 @@ def test_every_checkpoint_damaged_is_an_error(uninterrupted, tmp_path):
 def make_old(path: Path) -> None:
     """What an older grouprl wrote: no manifest, and no mention of one in trainer_state.json."""
     (path / "manifest.json").unlink()
-    edit_json(path / "trainer_state.json", lambda s: s.pop("manifest"))
+    edit_json(path / "trainer_state.json", lambda s: s.pop("manifest", None))
 
 
 def test_checkpoint_without_manifest_loads_with_a_warning(setup, uninterrupted, tmp_path):
