@@ -188,14 +188,18 @@ def _files_under(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _digests(root: Path, names: list[str], *, fsync: bool = False) -> dict[str, dict]:
-    """Size and SHA-256 of each file, several files at once (hashlib and file reads release the GIL)."""
+def _each_file(fn, names: list[str]) -> dict[str, Any]:
+    """``fn(name)`` for each file, several files at once (hashlib and file reads release the GIL)."""
     if not names:
         return {}
     workers = max(1, min(4, os.cpu_count() or 1, len(names)))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grouprl-hash") as pool:
-        found = pool.map(lambda name: _file_digest(root / name, fsync=fsync), names)
-        return dict(zip(names, found))
+        return dict(zip(names, pool.map(fn, names)))
+
+
+def _digests(root: Path, names: list[str], *, fsync: bool = False) -> dict[str, dict]:
+    """Size and SHA-256 of each file."""
+    return _each_file(lambda name: _file_digest(root / name, fsync=fsync), names)
 
 
 def _fsync_dirs(root: Path) -> None:
@@ -371,8 +375,9 @@ def verify_checkpoint(path: Path) -> Verification:
     if MANIFEST in present:
         try:
             manifest = json.loads((path / MANIFEST).read_text())
-            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-                raise ValueError("no 'files' table")
+            files = manifest.get("files") if isinstance(manifest, dict) else None
+            if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+                raise ValueError("no 'files' table of sizes and checksums")
         except (OSError, ValueError) as exc:
             problems.append(f"{MANIFEST}: cannot be read ({type(exc).__name__}: {exc})")
             manifest = None
@@ -397,8 +402,17 @@ def verify_checkpoint(path: Path) -> Verification:
                 damaged.add(name)
             else:
                 sized.append(name)
-        for name, got in _digests(path, sized).items():
-            if got["sha256"] != listed[name].get("sha256"):
+        def digest(name: str) -> dict | OSError:
+            try:
+                return _file_digest(path / name)
+            except OSError as exc:
+                return exc
+
+        for name, got in _each_file(digest, sized).items():
+            if isinstance(got, OSError):
+                problems.append(f"{name}: cannot be read ({got})")
+                damaged.add(name)
+            elif got["sha256"] != listed[name].get("sha256"):
                 problems.append(f"{name}: SHA-256 differs from the manifest's (the file changed after the save)")
                 damaged.add(name)
 
@@ -410,7 +424,8 @@ def verify_checkpoint(path: Path) -> Verification:
         m = STEP_DIR.match(path.name)
         if m and step != int(m.group(1)):
             problems.append(f"{COMPLETE_MARK}: global_step is {step}, but the directory is {path.name}")
-        position = (mark.get("extra") or {}).get("stream")
+        extra = mark.get("extra")
+        position = extra.get("stream") if isinstance(extra, dict) else None
         if manifest is not None:
             if manifest.get("global_step") != step:
                 problems.append(f"{COMPLETE_MARK}: global_step is {step}, {MANIFEST} says "
