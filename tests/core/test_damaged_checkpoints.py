@@ -297,3 +297,55 @@ def test_manifest_lists_every_file_and_the_run_facts(uninterrupted):
     state = json.loads((path / "trainer_state.json").read_text())
     assert manifest["global_step"] == 4 and manifest["num_processes"] == 1
     assert manifest["data_position"] == state["extra"]["stream"]
+
+
+# ---------------------------------------------------------------------------- two processes
+
+
+def test_two_processes_agree_on_the_fallback(tmp_path, torchrun):
+    """The main process alone verifies and warns, and tells the other which checkpoint to load (or that the
+    named one is damaged: both stop, neither waits for the other)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from grouprl.models.tiny import build_tiny_text_lm
+
+    words = ["yes", "no", "maybe", "left"]
+    records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(4) for w in words]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    build_tiny_text_lm(tmp_path / "model", [r["problem"] for r in records] + words, seed=0)
+    (tmp_path / "length.py").write_text(LENGTH_REWARD)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "data": {"train_files": ["train.jsonl"], "max_response_length": 5, "rollout_batch_size": 4},
+        "worker": {"actor": {"model": {"model_path": "model"}, "optim": {"lr": 1e-2}, "global_batch_size": 2,
+                             "micro_batch_size_per_device_for_update": 2},
+                   "rollout": {"n": 2, "temperature": 1.0}, "reward": {"functions": [{"name": "length.py:length"}]}},
+        "trainer": {"max_steps": 4, "save_freq": 2, "logger": ["jsonl"], "device": "cpu"},
+    }))
+    torchrun("-m", "grouprl", "train", "config.yaml", "trainer.output_dir=full", cwd=tmp_path)
+    shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    damaged = tmp_path / "resumed" / "checkpoints" / "global_step_4"
+    flip_model_bytes(damaged)
+
+    # a damaged named checkpoint: every process stops with the one-line error (a hang would time out)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    failed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "grouprl", "train", "config.yaml", "trainer.output_dir=resumed",
+                             f"trainer.resume={damaged}"], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0
+    errors = [line for line in failed.stderr.splitlines() if "grouprl: config error:" in line]
+    assert len(errors) == 2 and all("model/model.safetensors: SHA-256" in line for line in errors), failed.stderr
+
+    # auto: one warning (from the main process), both load checkpoint 2 and reach the full run's weights
+    proc = torchrun("-m", "grouprl", "train", "config.yaml", "trainer.output_dir=resumed", "trainer.resume=auto",
+                    cwd=tmp_path)
+    assert proc.stderr.count("global_step_4 is damaged, resuming from") == 1, proc.stderr
+    full = load_file(str(tmp_path / "full" / "checkpoints" / "global_step_4" / "model" / "model.safetensors"))
+    resumed = load_file(str(damaged / "model" / "model.safetensors"))
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
+    assert [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [3, 4]
