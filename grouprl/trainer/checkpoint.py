@@ -301,7 +301,7 @@ def _tensor_refs(structure: Any) -> set[str]:
     """The tensor names a ``save_state_dict`` structure refers to."""
     if isinstance(structure, dict):
         if "__tensor__" in structure:
-            return {structure["__tensor__"]}
+            return {str(structure["__tensor__"])}
         return set().union(*(_tensor_refs(v) for v in structure.values()))
     if isinstance(structure, list):
         return set().union(*(_tensor_refs(v) for v in structure))
@@ -324,14 +324,16 @@ def _readable(path: Path, names: list[str], skip: set[str], problems: list[str])
                 with safe_open(str(path / name), framework="pt") as fh:
                     headers[name] = set(fh.keys())
             elif name.endswith(".json"):
-                parsed[name] = json.loads((path / name).read_text())
+                structure = json.loads((path / name).read_text())
+                if "/" not in name:  # the model's own JSON files need only parse
+                    parsed[name] = structure
         except (SafetensorError, OSError, ValueError) as exc:
             problems.append(f"{name}: cannot be read ({type(exc).__name__}: {exc})")
     for name, structure in parsed.items():
         stem = name[: -len(".json")]
         tensor_file = f"{stem}.safetensors"
-        if "/" in name or (tensor_file in names and tensor_file not in headers):
-            continue  # not a save_state_dict pair, or its tensor file is reported already
+        if tensor_file in names and tensor_file not in headers:
+            continue  # its tensor file is damaged, and reported already
         missing = sorted(_tensor_refs(structure) - headers.get(tensor_file, set()))
         if missing:
             problems.append(f"{name}: refers to {len(missing)} tensor(s) that {stem}.safetensors does not hold "
@@ -495,16 +497,21 @@ def resume_path(resume: str | None, root: Path, *, accelerator=None) -> Path | N
         return None
     several = accelerator is not None and accelerator.num_processes > 1
     outcome: tuple[str, str | None] | None = None
+    failure: Exception | None = None
     if not several or accelerator.is_main_process:
         try:
             chosen = _choose_checkpoint(resume, Path(root))
             outcome = ("path", None if chosen is None else str(chosen))
-        except CheckpointError as exc:
-            outcome = ("error", str(exc))
+        except Exception as exc:  # told to the other processes first, which would otherwise wait forever
+            failure = exc
+            outcome = ("error", str(exc) if isinstance(exc, CheckpointError) else
+                       f"the main process could not choose a checkpoint: {type(exc).__name__}: {exc}")
     if several:
         from accelerate.utils import broadcast_object_list
 
         outcome = broadcast_object_list([outcome], from_process=0)[0]
+    if failure is not None:
+        raise failure
     kind, value = outcome
     if kind == "error":
         raise CheckpointError(value)
