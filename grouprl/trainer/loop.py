@@ -228,7 +228,7 @@ class TrainingLoop(abc.ABC):
 
     def resume(self) -> bool:
         """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
-        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
+        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir, accelerator=self.accelerator)
         if path is None:
             return False
         self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
