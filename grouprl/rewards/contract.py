@@ -50,6 +50,20 @@ class RewardError(RuntimeError):
         self.row = row
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call gave no result within the set's ``timeout`` (``worker.reward.timeout``).
+
+    A reward error like any other (``on_error`` applies). Python cannot interrupt a blocking
+    function: a sync reward that timed out is abandoned in its daemon thread and may go on
+    running (and holding what it holds) until it returns or the process ends; an async one
+    is cancelled.
+    """
+
+    def __init__(self, limit: float, *, abandoned: str):
+        super().__init__(f"no result within {limit:g} s (worker.reward.timeout); {abandoned}")
+        self.limit = limit
+
+
 @dataclass
 class RewardSpec:
     """One reward of a set, as written in config.

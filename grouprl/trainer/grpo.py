@@ -46,7 +46,7 @@ def build_rewards(config: Config):
     else:
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), on_error=f.on_error)
                  for f in r.functions]
-    rewards = RewardSet.from_specs(specs) if specs else None
+    rewards = RewardSet.from_specs(specs, timeout=r.timeout) if specs else None
     if r.reward_server:
         from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
 
@@ -54,7 +54,7 @@ def build_rewards(config: Config):
         # the server's composite is one more weighted component beside any in-process rewards
         components = list(rewards.components) if rewards is not None else []
         components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
-        rewards = RewardSet(components)
+        rewards = RewardSet(components, timeout=r.timeout)
     if rewards is None:
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
                           "or 'worker.reward.reward_server'")

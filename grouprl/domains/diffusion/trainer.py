@@ -216,8 +216,9 @@ class FlowGRPOTrainer(TrainingLoop):
                               world_size=accelerator.num_processes)
         super().__init__(config, accelerator=accelerator, stream=stream)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
-        self.rewards = ImageRewardSet.from_specs(config.worker.reward.functions)
-        self.val_rewards = ImageRewardSet.from_specs(config.worker.reward.val_functions or config.worker.reward.functions)
+        reward = config.worker.reward
+        self.rewards = ImageRewardSet.from_specs(reward.functions, timeout=reward.timeout)
+        self.val_rewards = ImageRewardSet.from_specs(reward.val_functions or reward.functions, timeout=reward.timeout)
         self.sched = schedule(self.model.scheduler, rollout.num_steps)
 
     def _add_lora(self, transformer, lora):
