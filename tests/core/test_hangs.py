@@ -16,6 +16,9 @@ from grouprl.config import ConfigError, VerifierConfig, config_from_dict
 from grouprl.rewards import ImageRewardSet, RewardError, RewardLoadError, RewardSet
 
 RELEASE = threading.Event()  # set at the end of the module: the abandoned reward threads then return
+# How long a "hung" reward really waits: far beyond any timeout here, and bounded, so that with the
+# timeout broken a test fails (the reward returns a score, no error) instead of hanging the suite.
+HANG_S = 60
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,12 +28,13 @@ def release_abandoned_threads():
 
 
 def blocked(prompts, completions, **kwargs):
-    RELEASE.wait()  # never set while a test waits: a reward that hangs
+    RELEASE.wait(HANG_S)  # not set while a test waits: a reward that hangs
     return [1.0] * len(completions)
 
 
 async def async_blocked(prompts, completions, **kwargs):
-    await asyncio.Event().wait()
+    await asyncio.sleep(HANG_S)
+    return [1.0] * len(completions)
 
 
 def fine(prompts, completions, **kwargs):
@@ -71,7 +75,7 @@ def test_an_image_reward_that_hangs_times_out_beside_the_others():
     from PIL import Image
 
     def image_blocked(images, prompts, **metadata):
-        RELEASE.wait()
+        RELEASE.wait(HANG_S)
         return [1.0] * len(images)
 
     def image_fine(images, prompts, **metadata):
@@ -103,7 +107,7 @@ RELEASE = threading.Event()
 
 
 def stuck_judge(prompts, completions, **kwargs):
-    RELEASE.wait()
+    RELEASE.wait(60)
     return [1.0] * len(completions)
 '''
 
