@@ -184,8 +184,8 @@ def _peer_stages(rank: int, world: int) -> dict[int, str]:
     return peers
 
 
-_COLLECTIVE_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
-                     "broken pipe", "gloo", "nccl")
+_COLLECTIVE_SIGNS = ("timed out waiting", "connection closed by peer", "connection reset by peer",
+                     "broken pipe", "gloo", "nccl", "watchdog")
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
@@ -195,8 +195,10 @@ def _is_collective_failure(exc: BaseException) -> bool:
     if dist_error is not None and isinstance(exc, dist_error):
         return True
     # gloo's timeouts and lost peers reach Python as plain RuntimeErrors from its transport
+    # ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv ...");
+    # subclasses (RewardError, VerifierError, ...) are grouprl's own errors, whatever they say
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(sign in text for sign in _COLLECTIVE_SIGNS)
+    return type(exc) is RuntimeError and any(sign in text for sign in _COLLECTIVE_SIGNS)
 
 
 def _explain(exc: BaseException) -> CollectiveFailure:

@@ -233,3 +233,22 @@ def test_on_failure_fail_still_raises_at_the_first_failure(paths, serve_app):
         finally:
             verifier.close()
     assert verifier.failures == 1
+
+
+def test_only_a_transport_error_becomes_a_collective_failure(monkeypatch):
+    """As if on two processes: gloo's timeout is explained with the stage; grouprl's own errors pass as they are."""
+    from grouprl.trainer import parallel
+
+    monkeypatch.setattr(parallel, "_group", lambda: (0, 2))
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                        "Timed out waiting 10000ms for recv operation to complete")
+    with pytest.raises(parallel.CollectiveFailure) as err:
+        with parallel.stage("train", step=4):
+            parallel.mark("update")
+            raise gloo
+    assert err.value.rank == 0 and err.value.stage == "step 4, train > update"
+    assert str(err.value).startswith("rank 0 of 2: a collective failed at step 4, train > update")
+    assert "Timed out waiting 10000ms" in str(err.value) and err.value.__cause__ is gloo
+    with pytest.raises(RewardError, match="timed out"):
+        with parallel.stage("train", step=4):
+            raise RewardError("reward 'judge' timed out: no result within 1 s (worker.reward.timeout)")
