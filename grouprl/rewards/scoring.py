@@ -41,6 +41,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 import threading
 import time
 from typing import Any, Awaitable, Callable, ClassVar, Iterable, Mapping, Sequence
@@ -365,11 +366,16 @@ def _start_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any
     """
     future: concurrent.futures.Future = concurrent.futures.Future()
     context = contextvars.copy_context()  # what asyncio.to_thread passes on too
+    device = _cuda_device()
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
+            if device is not None:
+                # the current CUDA device is per thread: a model-backed reward on process k's GPU
+                # would otherwise land on GPU 0
+                sys.modules["torch"].cuda.set_device(device)
             result = context.run(fn, *args, **kwargs)
         except BaseException as exc:  # handed to the waiting side, which decides
             future.set_exception(exc)
@@ -381,6 +387,14 @@ def _start_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any
 
 
 _ABANDONED = "its thread was abandoned and may still be running"
+
+
+def _cuda_device() -> int | None:
+    """The caller's current CUDA device when torch is loaded and CUDA started, else None (no torch import)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 def _call_within(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str, limit: float) -> Any:
