@@ -58,6 +58,19 @@ class UnscoredError(RewardError):
     ``grouprl train`` reports it in one line where a reward that raised keeps its traceback.
     """
 
+class RewardTimeout(TimeoutError):
+    """A reward call gave no result within the set's ``timeout`` (``worker.reward.timeout``).
+
+    A reward error like any other (``on_error`` applies). Python cannot interrupt a blocking
+    function: a sync reward that timed out is abandoned in its daemon thread and may go on
+    running (and holding what it holds) until it returns or the process ends; an async one
+    is cancelled.
+    """
+
+    def __init__(self, limit: float, *, abandoned: str):
+        super().__init__(f"no result within {limit:g} s (worker.reward.timeout); {abandoned}")
+        self.limit = limit
+
 
 @dataclass
 class RewardSpec:

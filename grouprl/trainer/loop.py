@@ -42,7 +42,7 @@ from grouprl.files import write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
-from grouprl.trainer.parallel import full_state_dicts
+from grouprl.trainer.parallel import full_state_dicts, stage, staged
 from grouprl.trainer.reward_metrics import UnscoredSteps
 
 
@@ -196,6 +196,7 @@ class TrainingLoop(abc.ABC):
 
     # ------------------------------------------------------------------ metrics and records
 
+    @staged("metrics")
     def reduce_metrics(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
         """Every process's metrics combined; the main process records each key's kind in metrics_schema.json.
 
@@ -210,6 +211,7 @@ class TrainingLoop(abc.ABC):
                 values[f"{key}_per_s"] = values.pop(key) / step_s
         return values
 
+    @staged("records")
     def gather_records(self, records: list[dict]) -> list[dict]:
         """Every process's records, in process order, on every process (for the main one to write)."""
         if self.accelerator.num_processes == 1:
@@ -240,6 +242,7 @@ class TrainingLoop(abc.ABC):
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
 
+    @staged("save")
     def save(self) -> Path | None:
         """Write a checkpoint (every process takes part; the main one writes).
 
@@ -284,6 +287,7 @@ class TrainingLoop(abc.ABC):
         if records is not None:
             writer.write(step, self.gather_records(records)[:limit])
 
+    @staged("validation")
     def _validate(self, step: int, writers: _Writers) -> None:
         result = self.validate(step)
         if result is None:
@@ -312,7 +316,8 @@ class TrainingLoop(abc.ABC):
             # 4. the steps
             while self.state.global_step < self.total_steps:
                 step = self.state.global_step + 1
-                result = self.step(step)
+                with stage("train", step=step):  # a collective that times out names the stage (parallel.py)
+                    result = self.step(step)
                 self.last_step = result
                 last = self.reduce_metrics(result.metrics)
                 self.state.global_step = step
