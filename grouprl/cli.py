@@ -85,10 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad config or data file, or a bad use of a command, is one line on
-    stderr and exit code 2, not a traceback; a run stopped by a signal exits with 128 + its number."""
+    stderr and exit code 2, not a traceback; so is a run stopped because no reward applied
+    (exit code 1: the command was right, the run failed); a run stopped by a signal exits with
+    128 + its number."""
     from grouprl.config import ConfigError
     from grouprl.data.formats import DataError
     from grouprl.data.images import ImageError
+    from grouprl.rewards import UnscoredError
     from grouprl.trainer.signals import TrainingStopped
 
     args = build_parser().parse_args(argv)
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ImageError) as exc:  # the message names the file, the record and the field
         print(f"grouprl: data error: {exc}", file=sys.stderr)
         return 2
+    except UnscoredError as exc:  # the message names the rewards and the row or step
+        print(f"grouprl: reward error: {exc}", file=sys.stderr)
+        return 1
     except TrainingStopped as stopped:  # a signal stopped a run (train, a demo); the loop named its checkpoint
         return stopped.exit_status
 

@@ -80,6 +80,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:
         raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
+    if config.worker.reward.timeout is not None and not config.worker.reward.timeout > 0:
+        raise ConfigError(f"config key 'worker.reward.timeout' must be seconds > 0 or null (no limit); "
+                          f"got {config.worker.reward.timeout}")
     for i, fn in enumerate(config.worker.reward.functions):
         if not fn.name:
             raise ConfigError(f"config key 'worker.reward.functions[{i}].name' is empty")

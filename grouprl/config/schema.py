@@ -260,6 +260,10 @@ class VerifierConfig:
     # the verifier had sent the stop token (the seed's behaviour), counted and logged; fail: the
     # step fails with the error.
     on_failure: str = field(default="stop", metadata=choices("stop", "fail"))
+    # on_failure stop: after this many failed calls in a row (each after its retries) the verifier is
+    # taken as down for the rest of the step: its open dialogues end (stop reason verifier_failure),
+    # said once in the log, instead of each one asking a dead server again for every remaining turn.
+    max_consecutive_failures: int = 3
     # Sent to the policy instead of ending the dialogue when the verifier stops it before a final answer.
     continue_message: str = "Please continue and provide the final answer in the required format."
 
@@ -305,6 +309,9 @@ class VerifierConfig:
                               f"'{key}.max_retries' and '{key}.timeout'")
         if self.http_concurrency < 1:
             raise ConfigError(f"config key '{key}.http_concurrency' must be >= 1; got {self.http_concurrency}")
+        if self.max_consecutive_failures < 1:
+            raise ConfigError(f"config key '{key}.max_consecutive_failures' must be >= 1; "
+                              f"got {self.max_consecutive_failures}")
         if self.use_http and self.backend not in ("auto", "http"):
             raise ConfigError(f"config key '{key}.use_http' is true but '{key}.backend' is {self.backend!r}; "
                               "set one of them")
@@ -391,6 +398,11 @@ class RewardConfig:
     server_max_concurrency: int = 4
     server_timeout: float = 60.0
     server_retries: int = 3
+    # Seconds per reward call (each function, the reward server's client included), None = no limit.
+    # A call with no result in time is a reward error naming it (its on_error applies), so a hung
+    # judge ends the step instead of stalling every process. A plain function then runs in a daemon
+    # thread that is abandoned at the limit and may keep running: Python cannot stop it.
+    timeout: float | None = None
 
 
 @dataclass
@@ -434,6 +446,16 @@ class TrainerConfig:
     # step and a save take longer: the agent kills its workers that long after forwarding the signal.
     # false: SIGTERM ends the process at once, SIGINT stops it with one line (status 130), no save.
     save_on_signal: bool = True
+    # A step in which no row on any process got a score (no reward applied to any) trains on
+    # nothing. Such steps are counted (reward/unscored_steps) and the first is warned about; with
+    # this the run stops there instead (a reward that never applies would otherwise train silently).
+    fail_on_unscored_steps: bool = False
+    # Seconds a collective (gradient all-reduce, metric reduction, checkpoint gather) waits for the
+    # other processes before the job fails, naming this process and its stage (grouprl.trainer.parallel).
+    # Torch's defaults are 30 min (gloo) and 10 min (NCCL); 600 s ends a frozen process's job in about
+    # ten minutes on either, and is still far above any step's wait on a slower process. Raise it
+    # when processes legitimately wait longer for each other (a long validation or save on one process).
+    distributed_timeout: float = 600.0
 
 
 @dataclass

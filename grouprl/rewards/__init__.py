@@ -25,8 +25,10 @@ from grouprl.rewards.contract import (
     RewardComponent,
     RewardContract,
     RewardError,
+    RewardTimeout,
     RewardResult,
     RewardSpec,
+    UnscoredError,
     weighted_total,
 )
 from grouprl.rewards.registry import (
@@ -62,10 +64,12 @@ __all__ = [
     "RewardComponent",
     "RewardContract",
     "RewardError",
+    "RewardTimeout",
     "RewardLoadError",
     "RewardResult",
     "RewardSet",
     "RewardSpec",
+    "UnscoredError",
     "accuracy_reward",
     "extract_answer",
     "extract_boxed",

@@ -50,6 +50,28 @@ class RewardError(RuntimeError):
         self.row = row
 
 
+class UnscoredError(RewardError):
+    """No reward applied where a score was needed: a row scored without ``allow_unscored``, or a
+    training step in which no row got a score (``trainer.fail_on_unscored_steps``).
+
+    Its own class because the message says all there is (which rewards, which row or step), so
+    ``grouprl train`` reports it in one line where a reward that raised keeps its traceback.
+    """
+
+class RewardTimeout(TimeoutError):
+    """A reward call gave no result within the set's ``timeout`` (``worker.reward.timeout``).
+
+    A reward error like any other (``on_error`` applies). Python cannot interrupt a blocking
+    function: a sync reward that timed out is abandoned in its daemon thread and may go on
+    running (and holding what it holds) until it returns or the process ends; an async one
+    is cancelled.
+    """
+
+    def __init__(self, limit: float, *, abandoned: str):
+        super().__init__(f"no result within {limit:g} s (worker.reward.timeout); {abandoned}")
+        self.limit = limit
+
+
 @dataclass
 class RewardSpec:
     """One reward of a set, as written in config.

@@ -21,16 +21,29 @@ says ``on_error: none`` (its rows are then None, the error is kept in
 ``result.errors`` and logged). A wrong number of values, a non-number or a NaN is a bug
 in the reward and always raises. A row no reward applies to is an error, or None
 (unscored, never 0) with ``allow_unscored``.
+
+``timeout`` (``worker.reward.timeout``) bounds each reward call: a call with no result
+in time fails with :class:`~grouprl.rewards.contract.RewardTimeout`, a reward error like
+any other (``on_error`` applies), so a hung judge or a deadlocked scorer ends the step
+with the reward's name instead of stalling the run (and, on several processes, every
+process waiting for this one). Python cannot interrupt a blocking function, so with a
+timeout a plain function runs in a daemon thread that is abandoned when its time is up:
+it may keep running, holding what it holds, until it returns or the process exits. An
+async reward is cancelled (it must let cancellation through).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import inspect
 import logging
 import math
+import sys
+import threading
+import time
 from typing import Any, Awaitable, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from grouprl.rewards.contract import (
@@ -41,6 +54,8 @@ from grouprl.rewards.contract import (
     RewardError,
     RewardResult,
     RewardSpec,
+    UnscoredError,
+    RewardTimeout,
     is_spec_object,
     reward_keys,
     weighted_total,
@@ -61,23 +76,29 @@ class RewardSet:
 
     contract: ClassVar[RewardContract] = TEXT
 
-    def __init__(self, components: Sequence[RewardComponent]):
+    def __init__(self, components: Sequence[RewardComponent], *, timeout: float | None = None):
         kind = self.contract.kind
         if not components:
             raise RewardLoadError(f"{kind} set needs at least one reward")
         keys = [c.key for c in components]
         if len(set(keys)) != len(keys):
             raise RewardLoadError(f"{kind} keys must be unique, got {keys}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise RewardLoadError(f"{kind} timeout must be None (no limit) or seconds > 0, got {timeout!r}")
         self.components = list(components)
+        # seconds per reward call (see the module docstring); None waits for ever
+        self.timeout = None if timeout is None else float(timeout)
 
     @classmethod
-    def from_specs(cls, specs: Iterable[Any]) -> "RewardSet":
+    def from_specs(cls, specs: Iterable[Any], *, timeout: float | None = None) -> "RewardSet":
         """Load every spec: a :class:`RewardSpec`, a reference string, a config mapping
         {name, weight, kwargs, on_error}, a config object with ``name`` and ``weight``, or a function.
 
         Keys are the spec names; a name used more than once gets ``name@i`` for every use,
         ``i`` being its position in ``specs``. A plain function is keyed by its ``__name__``.
         Options are checked against the function's parameters now, not at the first batch.
+        ``timeout``: seconds per reward call (None: no limit), see the module docstring.
         """
         contract = cls.contract
         loaded: list[tuple[str, Callable[..., Any], float, RewardSpec | None]] = []
@@ -94,7 +115,7 @@ class RewardSet:
             loaded.append((spec.name.strip(), bound, spec.weight, spec))
         keys = reward_keys([name for name, *_ in loaded])
         return cls([RewardComponent(key, fn, weight, spec, spec.on_error if spec else "raise")
-                    for key, (_, fn, weight, spec) in zip(keys, loaded)])
+                    for key, (_, fn, weight, spec) in zip(keys, loaded)], timeout=timeout)
 
     @property
     def keys(self) -> list[str]:
@@ -129,7 +150,7 @@ class RewardSet:
                allow_unscored: bool) -> RewardResult:
         n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
         if pending:
-            for (i, _), value in zip(pending, _run_concurrently([aw for _, aw in pending])):
+            for (i, _, _), value in zip(pending, _run_concurrently([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
         return self._combine(outcomes, n, allow_unscored)
 
@@ -137,7 +158,7 @@ class RewardSet:
                       allow_unscored: bool) -> RewardResult:
         n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
         if pending:
-            for (i, _), value in zip(pending, await _gather([aw for _, aw in pending])):
+            for (i, _, _), value in zip(pending, await _gather([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
         return self._combine(outcomes, n, allow_unscored)
 
@@ -173,31 +194,40 @@ class RewardSet:
         return checked_inputs, checked
 
     def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]],
-               ) -> tuple[int, list[Any], list[tuple[int, Awaitable[Any]]]]:
+               ) -> tuple[int, list[Any], list[tuple[int, Awaitable[Any], float | None]]]:
         """Call every reward: the number of rows, the outcomes (values or exceptions) of the rewards
-        that ran in this thread, and (index, awaitable) for the ones still to run concurrently."""
+        that ran in this thread, and (index, awaitable, seconds left to it) for the ones still to
+        run concurrently."""
         n = len(inputs[self.contract.inputs.index(self.contract.rows)])
         if not n:
             return 0, [], []  # an empty batch calls no reward
         outcomes: list[Any] = [None] * len(self.components)
-        pending: list[tuple[int, Awaitable[Any]]] = []
+        pending: list[tuple[int, Awaitable[Any], float | None]] = []
         for i, comp in enumerate(self.components):
             # Fresh list copies: a reward that mutates its inputs must not change what the next one sees.
             args = [list(values) for values in inputs]
             kwargs = {k: list(v) for k, v in columns.items()}
             if self.contract.threads and not _is_async(comp.fn):
-                pending.append((i, _in_thread(comp.fn, args, kwargs)))
+                pending.append((i, _in_thread(comp.fn, args, kwargs, comp.key, self.timeout), None))
                 continue
+            started = time.monotonic()
             try:
-                out = comp.fn(*args, **kwargs)
+                if self.timeout is None or _is_async(comp.fn):
+                    out = comp.fn(*args, **kwargs)  # an async one only makes its coroutine here
+                else:
+                    out = _call_within(comp.fn, args, kwargs, comp.key, self.timeout)
             except Exception as exc:
                 if comp.on_error != "none":
                     # The batch fails anyway: do not wait for the other rewards' (maybe remote) calls.
-                    _close(aw for _, aw in pending)
+                    _close(aw for _, aw, _ in pending)
                     raise _wrap(self.contract, comp.key, exc, n) from exc
                 out = exc
             if inspect.isawaitable(out):
-                pending.append((i, out))
+                # a plain callable that handed back an awaitable has the rest of its time for it
+                left = self.timeout
+                if left is not None and not _is_async(comp.fn):
+                    left = max(0.0, left - (time.monotonic() - started))
+                pending.append((i, out, left))
             else:
                 outcomes[i] = out
         return n, outcomes, pending
@@ -224,7 +254,7 @@ class RewardSet:
         if not allow_unscored and None in total:
             row = total.index(None)
             failed = f"; failed: {', '.join(f'{k} ({e})' for k, e in errors.items())}" if errors else ""
-            raise RewardError(
+            raise UnscoredError(
                 f"row {row}: every {contract.kind} returned None ({', '.join(self.keys)}){failed}; "
                 "at least one reward must apply to each row (or score with allow_unscored=True)",
                 row=row,
@@ -280,6 +310,8 @@ def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any]
 
 def _wrap(contract: RewardContract, key: str, exc: BaseException, n: int) -> RewardError:
     # Always a new error naming this reward (a RewardError raised inside, a judge's, keeps its row).
+    if isinstance(exc, RewardTimeout):
+        return RewardError(f"{contract.kind} {key!r} timed out: {exc} (a batch of {n} row(s))", reward=key)
     return RewardError(f"{contract.kind} {key!r} raised {type(exc).__name__}: {exc} (a batch of {n} row(s))",
                        reward=key, row=getattr(exc, "row", None))
 
@@ -325,11 +357,86 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-async def _in_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
-    out = await asyncio.to_thread(fn, *args, **kwargs)
-    if inspect.isawaitable(out):  # a plain callable handing back a coroutine
-        out = await out
+def _start_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str,
+                  ) -> concurrent.futures.Future:
+    """``fn(*args, **kwargs)`` in a new daemon thread; its future.
+
+    Not a pool's thread: a reward that timed out is abandoned, and a daemon thread neither
+    holds up the process's exit nor the event loop's shutdown (``asyncio.run`` joins the
+    default executor's threads) while it may still be running.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    context = contextvars.copy_context()  # what asyncio.to_thread passes on too
+    device = _cuda_device()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if device is not None:
+                # the current CUDA device is per thread: a model-backed reward on process k's GPU
+                # would otherwise land on GPU 0
+                sys.modules["torch"].cuda.set_device(device)
+            result = context.run(fn, *args, **kwargs)
+        except BaseException as exc:  # handed to the waiting side, which decides
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=f"grouprl-reward-{key}", daemon=True).start()
+    return future
+
+
+_ABANDONED = "its thread was abandoned and may still be running"
+
+
+def _cuda_device() -> int | None:
+    """The caller's current CUDA device when torch is loaded and CUDA started, else None (no torch import)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def _call_within(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str, limit: float) -> Any:
+    """A plain reward's result, waited for at most ``limit`` seconds (then it is abandoned)."""
+    future = _start_thread(fn, args, kwargs, key)
+    # wait(), not result(timeout): a TimeoutError the reward raises itself is its own error
+    concurrent.futures.wait([future], timeout=limit)
+    if not future.done():
+        raise RewardTimeout(limit, abandoned=_ABANDONED)
+    return future.result()
+
+
+async def _in_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str,
+                     limit: float | None) -> Any:
+    """A plain reward run in its own thread while the event loop runs the others, within ``limit`` seconds."""
+    started = time.monotonic()
+    future = asyncio.wrap_future(_start_thread(fn, args, kwargs, key))
+    if limit is not None:
+        done, _ = await asyncio.wait({future}, timeout=limit)
+        if not done:
+            future.cancel()  # stops the waiting only: the thread cannot be stopped
+            raise RewardTimeout(limit, abandoned=_ABANDONED)
+    out = await future
+    if inspect.isawaitable(out):  # a plain callable handing back a coroutine: the rest of its time
+        left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
+        out = await _bounded(out, left, limit)
     return out
+
+
+async def _bounded(awaitable: Awaitable[Any], left: float | None, limit: float | None) -> Any:
+    """``awaitable``'s result, or :class:`RewardTimeout` (naming ``limit``) after ``left`` seconds."""
+    if left is None:
+        return await awaitable
+    task = asyncio.ensure_future(awaitable)
+    # wait(), not wait_for(): a TimeoutError the reward raises itself stays its own error
+    done, _ = await asyncio.wait({task}, timeout=left)
+    if not done:
+        task.cancel()  # an async reward must let the cancellation through
+        await asyncio.gather(task, return_exceptions=True)
+        raise RewardTimeout(limit, abandoned="it was cancelled")
+    return task.result()
 
 
 async def _gather(awaitables: list[Awaitable[Any]]) -> list[Any]:

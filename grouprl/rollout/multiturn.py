@@ -6,7 +6,11 @@ Each sampled response becomes a dialogue: the policy answers, a verifier replies
 last policy turn holds a final answer (exactly one ``<answer>`` with exactly one
 ``\\boxed{}``); a STOP without one asks the policy to continue and answer in that
 format. A verifier that fails is counted, and under ``on_failure: stop`` its
-silence is a STOP (the seed's behaviour, here never silent).
+silence is a STOP (the seed's behaviour, here never silent). After
+``max_consecutive_failures`` failed calls in a row the verifier is taken as down for
+the rest of the call: every open dialogue ends (stop reason ``verifier_failure``) and
+one warning names the verifier, rather than each dialogue asking a dead server again,
+through its retries and timeouts, for every turn up to ``max_turns``.
 
 The trajectory lives in token space. The policy's sampled ids are kept exactly as
 sampled; only the text between turns is tokenized (the end of the assistant's
@@ -29,6 +33,7 @@ dialogue before it (as the seed originally did).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,6 +42,8 @@ from grouprl.data.sample import Sample
 from grouprl.models.inputs import left_pad, tokenizer_of
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 STOP_REASONS = ("stop", "max_turns", "verifier_failure", "length")
 _MARK = "\u2063grouprl-turn-mark\u2063"  # stands for an assistant turn while the template renders around it
@@ -152,11 +159,14 @@ class MultiTurnRollout:
         self.end_of_turn_ids = set(end_of_turn_ids)
         self._has_final_answer = has_final_answer
         self.last_metrics: dict[str, float] = {}
+        self._failed_in_a_row = 0  # verifier calls, in request order, within one generate call
 
     def generate(self, engine, samples: list[Sample], params: SamplingParams, *,
                  validation: bool = False) -> RolloutBatch:
         """``params.n`` dialogues per sample; the verifier sees the reference in training only."""
         first = engine.generate(samples, params)
+        # each call gives the verifier a new chance: one that was down may be back
+        self._failed_in_a_row = 0
         dialogues = self._open(first)
         tokenizer = tokenizer_of(self.processor)
         for turn in range(1, self.config.max_turns + 1):
@@ -212,8 +222,19 @@ class MultiTurnRollout:
                                     turns=list(d.turns)) for d in asking]
         for d, reply in zip(asking, self.verifier.reply_many(requests)):
             d.replies.append(reply)
+            self._failed_in_a_row = self._failed_in_a_row + 1 if reply.failed else 0
             if reply.stop and self._has_final_answer(d.turns[-1]):
                 d.stop_reason = "verifier_failure" if reply.failed else "stop"
+        limit = self.config.max_consecutive_failures
+        if self._failed_in_a_row >= limit:
+            ending = [d for d in dialogues if d.open]
+            for d in ending:
+                d.stop_reason = "verifier_failure"
+            if ending:
+                logger.warning("verifier %r failed %d call(s) in a row (worker.rollout.verifier."
+                               "max_consecutive_failures=%d): taking it as down for this rollout and ending its "
+                               "%d open dialogue(s) as verifier failures", self.verifier, self._failed_in_a_row,
+                               limit, len(ending))
 
     def _next_user_message(self, d: Dialogue) -> str:
         reply = d.replies[-1]
@@ -267,6 +288,8 @@ class MultiTurnRollout:
             "multiturn/turns_mean": sum(len(d.turns) for d in dialogues) / n,
             "multiturn/hallucination_score": sum(d.hallucination_score() for d in dialogues) / n,
             "verifier/failures": float(sum(r.failed for r in replies)),
+            # 1 when max_consecutive_failures ended the dialogues (the verifier taken as down)
+            "verifier/down": float(self._failed_in_a_row >= self.config.max_consecutive_failures),
             "verifier/tokens": float(sum(r.tokens or 0 for r in replies)),
             "verifier/latency_s": sum(r.latency_s for r in replies) / len(replies) if replies else 0.0,
         }

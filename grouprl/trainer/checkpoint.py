@@ -7,24 +7,35 @@ renamed aside to `.global_step_N.old` and deleted only once the new copy is on
 disk. A kill at any point therefore leaves a complete `global_step_N/` or one of
 these hidden copies, which `recover_interrupted_save` (run by every listing and
 every save) puts back: readers never see a half-written or missing checkpoint.
+
+A complete checkpoint also holds `manifest.json`, written inside the temporary directory
+before the rename: every file's size and SHA-256, and the facts the files must agree on
+(step, number of processes, data position). A crash cannot damage a checkpoint, but a disk,
+a copy or a person can; `resume_path` verifies a checkpoint against its manifest before a
+run resumes from it, so that a damaged one is named and skipped instead of resumed silently.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from grouprl.config import ConfigError
 from grouprl.files import fsync_dir, write_text_atomic
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -32,6 +43,20 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 HIDDEN_DIR = re.compile(r"^\.global_step_(\d+)\.(tmp|old|del)$")
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE_MARK = "trainer_state.json"  # written last, after everything else is durable
+MANIFEST = "manifest.json"  # every file's size and SHA-256, written just before COMPLETE_MARK
+MANIFEST_FORMAT = 1
+_CHUNK = 1 << 20  # hashing reads 1 MiB at a time: checkpoints of real models are many GB
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from (damaged, edited or unreadable); the message names the file.
+
+    A ConfigError, since ``trainer.resume`` chose it: the command line reports it as one line.
+    """
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint skipped by ``resume=auto``, or one resumed without a manifest to verify it."""
 
 
 @dataclass
@@ -87,10 +112,31 @@ def save_state_dict(state: dict, directory: Path, name: str) -> None:
     (directory / f"{name}.json").write_text(json.dumps(structure))
 
 
+@contextlib.contextmanager
+def _reading(file: Path, what: str = "cannot be read"):
+    """Re-raise what a damaged file makes a reader raise (a truncated safetensors header, bad JSON,
+    a missing entry) as a CheckpointError naming the file, instead of e.g. a bare KeyError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"checkpoint file {file} {what}: {type(exc).__name__}: {exc}") from exc
+
+
 def load_state_dict(directory: Path, name: str) -> dict:
-    tensors = load_file(str(directory / f"{name}.safetensors")) if (directory / f"{name}.safetensors").exists() else {}
-    structure = json.loads((directory / f"{name}.json").read_text())
-    return _join_state(structure, tensors)
+    tensor_file, structure_file = directory / f"{name}.safetensors", directory / f"{name}.json"
+    with _reading(tensor_file):
+        tensors = load_file(str(tensor_file)) if tensor_file.exists() else {}
+    with _reading(structure_file):
+        structure = json.loads(structure_file.read_text())
+    try:
+        return _join_state(structure, tensors)
+    except KeyError as exc:
+        raise CheckpointError(f"checkpoint file {structure_file} refers to tensor {exc.args[0]!r}, "
+                              f"which {tensor_file} does not hold") from None
+    except (ValueError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"checkpoint file {structure_file} is malformed: {type(exc).__name__}: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -124,15 +170,41 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------- durable file operations
 
 
-def _fsync_tree(root: Path) -> None:
-    """fsync every file under root, then every directory, deepest first."""
-    dirs = [root]
-    for path in sorted(root.rglob("*")):
-        if path.is_dir():
-            dirs.append(path)
-        elif path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+def _file_digest(path: Path, *, fsync: bool = False) -> dict:
+    """A file's size and SHA-256, read in 1 MiB chunks into one buffer (optionally fsynced while open)."""
+    digest, size = hashlib.sha256(), 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as fh:
+        while n := fh.readinto(buffer):
+            digest.update(view[:n])
+            size += n
+        if fsync:
+            os.fsync(fh.fileno())
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _each_file(fn, names: list[str]) -> dict[str, Any]:
+    """``fn(name)`` for each file, several files at once (hashlib and file reads release the GIL)."""
+    if not names:
+        return {}
+    workers = max(1, min(4, os.cpu_count() or 1, len(names)))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grouprl-hash") as pool:
+        return dict(zip(names, pool.map(fn, names)))
+
+
+def _digests(root: Path, names: list[str], *, fsync: bool = False) -> dict[str, dict]:
+    """Size and SHA-256 of each file."""
+    return _each_file(lambda name: _file_digest(root / name, fsync=fsync), names)
+
+
+def _fsync_dirs(root: Path) -> None:
+    """fsync every directory under root, deepest first (their files are fsynced already)."""
+    dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
     for directory in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
         fsync_dir(directory)
 
@@ -206,12 +278,244 @@ def latest_checkpoint(root: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def resume_path(resume: str | None, root: Path) -> Path | None:
-    """The checkpoint ``trainer.resume`` names: "auto" the latest complete one under ``root``
-    (None with nothing saved yet: a fresh start), a path that one, empty or None none."""
+# ---------------------------------------------------------------------------- verification
+
+
+@dataclass
+class Verification:
+    """What ``verify_checkpoint`` found: each problem names the file (and the field) at fault."""
+
+    path: Path
+    problems: list[str]
+    has_manifest: bool
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        return "; ".join(self.problems)
+
+
+def _tensor_refs(structure: Any) -> set[str]:
+    """The tensor names a ``save_state_dict`` structure refers to."""
+    if isinstance(structure, dict):
+        if "__tensor__" in structure:
+            return {str(structure["__tensor__"])}
+        return set().union(*(_tensor_refs(v) for v in structure.values()))
+    if isinstance(structure, list):
+        return set().union(*(_tensor_refs(v) for v in structure))
+    return set()
+
+
+def _readable(path: Path, names: list[str], skip: set[str], problems: list[str]) -> dict[str, Any]:
+    """Open every safetensors header and parse every JSON file (cheap: no tensor data is read).
+
+    Checks that each ``name.json`` structure refers only to tensors its ``name.safetensors`` holds
+    (the bare KeyError a resume would otherwise die with). Returns the parsed top-level JSON files.
+    """
+    headers: dict[str, set[str]] = {}
+    parsed: dict[str, Any] = {}
+    for name in names:
+        if name in skip:
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(str(path / name), framework="pt") as fh:
+                    headers[name] = set(fh.keys())
+            elif name.endswith(".json"):
+                structure = json.loads((path / name).read_text())
+                if "/" not in name:  # the model's own JSON files need only parse
+                    parsed[name] = structure
+        except (SafetensorError, OSError, ValueError) as exc:
+            problems.append(f"{name}: cannot be read ({type(exc).__name__}: {exc})")
+    for name, structure in parsed.items():
+        stem = name[: -len(".json")]
+        tensor_file = f"{stem}.safetensors"
+        if tensor_file in names and tensor_file not in headers:
+            continue  # its tensor file is damaged, and reported already
+        missing = sorted(_tensor_refs(structure) - headers.get(tensor_file, set()))
+        if missing:
+            problems.append(f"{name}: refers to {len(missing)} tensor(s) that {stem}.safetensors does not hold "
+                            f"(e.g. {missing[0]!r})")
+    return parsed
+
+
+def _rng_processes(structure: Any) -> int | None:
+    """How many processes' RNG states an rng.json structure holds (None for a single, old-style state)."""
+    if isinstance(structure, dict):
+        for key, value in structure.get("__dict__", []):
+            if key == "processes" and isinstance(value, list):
+                return len(value)
+    return None
+
+
+def verify_checkpoint(path: Path) -> Verification:
+    """Check a checkpoint against its manifest, and its files against each other. Raises nothing.
+
+    Every file the manifest lists must be there with its size and SHA-256, and no other file may be;
+    every file must be readable; the step in the directory name, trainer_state.json and the manifest
+    must agree, as must the data position and the number of processes the RNG states were saved by.
+    A checkpoint saved before manifests existed is checked for all but the sizes and checksums.
+    Costs one read of every file (SHA-256: 0.5 to 1.7 GB/s a core; up to 4 files hash at once).
+    """
+    path = Path(path)
+    problems: list[str] = []
+    if not path.is_dir():
+        return Verification(path, [f"{path} does not exist or is not a directory"], False)
+    present = _files_under(path)
+    mark: dict | None = None
+    if COMPLETE_MARK not in present:
+        problems.append(f"{COMPLETE_MARK}: missing (the save did not complete, or the file was deleted)")
+    else:
+        try:
+            mark = _read_mark(path)
+        except CheckpointError as exc:
+            problems.append(f"{COMPLETE_MARK}: cannot be read ({exc.__cause__ or exc})")
+
+    manifest: dict | None = None
+    if MANIFEST in present:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            files = manifest.get("files") if isinstance(manifest, dict) else None
+            if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+                raise ValueError("no 'files' table of sizes and checksums")
+        except (OSError, ValueError) as exc:
+            problems.append(f"{MANIFEST}: cannot be read ({type(exc).__name__}: {exc})")
+            manifest = None
+    elif mark is not None and mark.get("manifest"):
+        problems.append(f"{MANIFEST}: missing, though {COMPLETE_MARK} says the checkpoint was saved with one")
+    has_manifest = MANIFEST in present
+
+    # sizes and checksums: the one check that sees flipped bytes or an edited value
+    damaged: set[str] = set()
+    if manifest is not None:
+        listed: dict = manifest["files"]
+        for name in sorted(set(present) - set(listed) - {MANIFEST}):
+            problems.append(f"{name}: not in the manifest (added after the save)")
+            damaged.add(name)
+        sized = []
+        for name, want in sorted(listed.items()):
+            if name not in present:
+                problems.append(f"{name}: missing (the manifest lists it)")
+                damaged.add(name)
+            elif (size := (path / name).stat().st_size) != want.get("size"):
+                problems.append(f"{name}: {size} bytes, the manifest says {want.get('size')} (truncated or rewritten)")
+                damaged.add(name)
+            else:
+                sized.append(name)
+        def digest(name: str) -> dict | OSError:
+            try:
+                return _file_digest(path / name)
+            except OSError as exc:
+                return exc
+
+        for name, got in _each_file(digest, sized).items():
+            if isinstance(got, OSError):
+                problems.append(f"{name}: cannot be read ({got})")
+                damaged.add(name)
+            elif got["sha256"] != listed[name].get("sha256"):
+                problems.append(f"{name}: SHA-256 differs from the manifest's (the file changed after the save)")
+                damaged.add(name)
+
+    parsed = _readable(path, present, damaged | {MANIFEST, COMPLETE_MARK}, problems)
+
+    # the facts the files must agree on; each names the file and the field that disagree
+    if mark is not None:
+        step = mark.get("global_step")
+        m = STEP_DIR.match(path.name)
+        if m and step != int(m.group(1)):
+            problems.append(f"{COMPLETE_MARK}: global_step is {step}, but the directory is {path.name}")
+        extra = mark.get("extra")
+        position = extra.get("stream") if isinstance(extra, dict) else None
+        if manifest is not None:
+            if manifest.get("global_step") != step:
+                problems.append(f"{COMPLETE_MARK}: global_step is {step}, {MANIFEST} says "
+                                f"{manifest.get('global_step')}")
+            if manifest.get("data_position") != position:
+                problems.append(f"{COMPLETE_MARK}: the data position (extra.stream) is {position}, "
+                                f"{MANIFEST} says {manifest.get('data_position')}")
+        if isinstance(position, dict):
+            for key in ("epoch", "batch_in_epoch"):
+                if key in position and key in mark and position[key] != mark[key]:
+                    problems.append(f"{COMPLETE_MARK}: {key} is {mark[key]}, the data position (extra.stream) "
+                                    f"says {position[key]}")
+    if manifest is not None and "rng.json" in parsed:
+        saved_by = _rng_processes(parsed["rng.json"])
+        if saved_by is not None and saved_by != manifest.get("num_processes"):
+            problems.append(f"rng.json: holds {saved_by} process(es)' RNG states, {MANIFEST} says the run had "
+                            f"{manifest.get('num_processes')}")
+    return Verification(path, problems, has_manifest)
+
+
+def _unverified_warning(path: Path) -> None:
+    warnings.warn(f"checkpoint {path} has no {MANIFEST} (saved by an older grouprl): its files cannot be "
+                  "verified; resuming from it anyway", CheckpointWarning, stacklevel=3)
+
+
+def _choose_checkpoint(resume: str, root: Path) -> Path | None:
+    if resume != "auto":
+        path = Path(resume)
+        found = verify_checkpoint(path)
+        if not found.intact:
+            raise CheckpointError(f"config key 'trainer.resume' names checkpoint {path}, which is damaged: "
+                                  f"{found.describe()}")
+        if not found.has_manifest:
+            _unverified_warning(path)
+        return path
+    step_dirs(root)  # finishes an interrupted save first
+    candidates = sorted(((int(m.group(1)), child) for child in (root.iterdir() if root.is_dir() else [])
+                         if (m := STEP_DIR.match(child.name)) and child.is_dir()), reverse=True)
+    skipped: list[Verification] = []
+    for _, path in candidates:
+        found = verify_checkpoint(path)
+        if not found.intact:
+            skipped.append(found)
+            continue
+        for bad in skipped:
+            warnings.warn(f"checkpoint {bad.path} is damaged, resuming from {path} instead: {bad.describe()}",
+                          CheckpointWarning, stacklevel=3)
+        if not found.has_manifest:
+            _unverified_warning(path)
+        return path
+    if skipped:
+        listing = " | ".join(f"{bad.path.name}: {bad.describe()}" for bad in skipped)
+        raise CheckpointError(f"trainer.resume=auto: no intact checkpoint under {root} (move the damaged ones "
+                              f"away to start afresh): {listing}")
+    return None
+
+
+def resume_path(resume: str | None, root: Path, *, accelerator=None) -> Path | None:
+    """The checkpoint ``trainer.resume`` names, verified: "auto" the newest intact one under ``root``
+    (None with nothing saved yet: a fresh start), a path that one, empty or None none.
+
+    ``auto`` skips a damaged checkpoint with a CheckpointWarning naming what is wrong with it; a damaged
+    path, or nothing intact under ``root``, is a CheckpointError. With an ``accelerator`` of several
+    processes the main process alone verifies (and warns), and tells the others what it chose.
+    """
     if not resume:
         return None
-    return latest_checkpoint(root) if resume == "auto" else Path(resume)
+    several = accelerator is not None and accelerator.num_processes > 1
+    outcome: tuple[str, str | None] | None = None
+    failure: Exception | None = None
+    if not several or accelerator.is_main_process:
+        try:
+            chosen = _choose_checkpoint(resume, Path(root))
+            outcome = ("path", None if chosen is None else str(chosen))
+        except Exception as exc:  # told to the other processes first, which would otherwise wait forever
+            failure = exc
+            outcome = ("error", str(exc) if isinstance(exc, CheckpointError) else
+                       f"the main process could not choose a checkpoint: {type(exc).__name__}: {exc}")
+    if several:
+        from accelerate.utils import broadcast_object_list
+
+        outcome = broadcast_object_list([outcome], from_process=0)[0]
+    if failure is not None:
+        raise failure
+    kind, value = outcome
+    if kind == "error":
+        raise CheckpointError(value)
+    return None if value is None else Path(value)
 
 
 def _write_checkpoint(tmp: Path, state: TrainerState, model, optimizer, scheduler, processor,
@@ -228,16 +532,32 @@ def _write_checkpoint(tmp: Path, state: TrainerState, model, optimizer, schedule
     if scheduler is not None:
         save_state_dict(scheduler.state_dict(), tmp, "scheduler")
     # one RNG state per process: each draws its own dropout masks and reward noise
-    save_state_dict({"processes": rng_states if rng_states is not None else [rng_state()]}, tmp, "rng")
-    _fsync_tree(tmp)
+    processes = rng_states if rng_states is not None else [rng_state()]
+    save_state_dict({"processes": processes}, tmp, "rng")
+    # one read of every file, right after writing it (from the page cache): hashed and fsynced
+    files = _digests(tmp, _files_under(tmp), fsync=True)
+    # the mark says the checkpoint has a manifest, so that a deleted manifest is told from an old checkpoint
+    mark = json.dumps({**asdict(state), "manifest": MANIFEST}, indent=2)
+    files[COMPLETE_MARK] = {"size": len(mark.encode()), "sha256": hashlib.sha256(mark.encode()).hexdigest()}
+    manifest = {"format": MANIFEST_FORMAT, "global_step": state.global_step, "num_processes": len(processes),
+                "data_position": state.extra.get("stream"), "files": dict(sorted(files.items()))}
+    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    _fsync_dirs(tmp)
     # atomic too: a kill while it is written must not leave a partial mark that reads as complete
-    write_text_atomic(tmp / COMPLETE_MARK, json.dumps(asdict(state), indent=2))
+    write_text_atomic(tmp / COMPLETE_MARK, mark)
 
 
-def _prune(root: Path, save_limit: int) -> None:
-    """Keep the newest save_limit checkpoints; each old one is renamed away first, so none is ever half deleted."""
+def _prune(root: Path, save_limit: int, keep: Path) -> None:
+    """Keep the newest save_limit checkpoints and ``keep``; each old one is renamed away first, so none is
+    ever half deleted.
+
+    ``keep`` is the checkpoint just written, intact by construction. A run that fell back past a damaged
+    newer checkpoint saves below it: counting only the newest, pruning would delete the one intact copy.
+    """
     doomed = []
     for step, path in step_dirs(root)[:-save_limit]:
+        if path == keep:
+            continue
         trash = root / f".global_step_{step}.del"
         os.replace(path, trash)
         doomed.append(trash)
@@ -283,12 +603,23 @@ def save_checkpoint(
         _remove_tree(aside)
     write_text_atomic(root / TRACKER, str(state.global_step))
     if save_limit > 0:
-        _prune(root, save_limit)
+        _prune(root, save_limit, keep=final)
     return final
 
 
+def _read_mark(path: Path) -> dict:
+    with _reading(path / COMPLETE_MARK):
+        saved = json.loads((path / COMPLETE_MARK).read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+        return saved
+
+
 def load_trainer_state(path: Path) -> TrainerState:
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    saved = _read_mark(path)
+    saved.pop("manifest", None)  # says the checkpoint was saved with one; not part of the run's state
+    with _reading(path / COMPLETE_MARK, "does not hold a trainer state"):
+        return TrainerState(**saved)
 
 
 def load_model_weights(model, path: Path) -> None:
@@ -298,17 +629,22 @@ def load_model_weights(model, path: Path) -> None:
     if adapter.exists():
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(str(adapter)))
+        with _reading(adapter):
+            weights = load_file(str(adapter))
+        set_peft_model_state_dict(model, weights)
         return
-    if not list(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(f"checkpoint {path} has no model weights in {model_dir}")
+    weight_files = sorted(model_dir.glob("*.safetensors"))
+    if not weight_files:
+        raise CheckpointError(f"checkpoint {path} has no model weights in {model_dir}")
     # save_pretrained may write keys in the checkpoint layout of the hub (transformers
     # renames e.g. Qwen2.5-VL's `model.visual` to `visual` on save), so read them back
     # through from_pretrained, which applies the same conversion in reverse.
     from grouprl.trainer.parallel import is_sharded, load_full_state_dicts
 
     model_class = _plain_class(model) if is_sharded(model) else type(model)
-    saved = model_class.from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
+    names = ", ".join(f.name for f in weight_files)
+    with _reading(model_dir / (names if len(weight_files) == 1 else f"{{{names}}}")):
+        saved = model_class.from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
     if is_sharded(model):
         load_full_state_dicts(model, None, saved.state_dict(), None)
         return
@@ -341,20 +677,22 @@ def restore_checkpoint(path: Path, model, optimizer, scheduler, *, process_index
     load_model_weights(model, path)
     if optimizer is not None:
         saved = load_state_dict(path, "optimizer")
-        if _by_name(saved):
-            from grouprl.trainer.parallel import load_full_state_dicts
+        with _reading(path / "optimizer.json", "does not fit this run's optimizer"):
+            if _by_name(saved):
+                from grouprl.trainer.parallel import load_full_state_dicts
 
-            load_full_state_dicts(model, optimizer, None, saved)
-        else:
-            optimizer.load_state_dict(saved)
+                load_full_state_dicts(model, optimizer, None, saved)
+            else:
+                optimizer.load_state_dict(saved)
     if scheduler is not None:
-        scheduler.load_state_dict(load_state_dict(path, "scheduler"))
+        saved = load_state_dict(path, "scheduler")
+        with _reading(path / "scheduler.json", "does not fit this run's scheduler"):
+            scheduler.load_state_dict(saved)
     rng = load_state_dict(path, "rng")
-    states = rng["processes"] if "processes" in rng else [rng]
-    if len(states) != num_processes:
-        import warnings
-
-        warnings.warn(f"checkpoint {path} was saved by {len(states)} process(es), resumed on {num_processes}: "
-                      "the run continues, but not exactly as it would have", stacklevel=2)
-    set_rng_state(states[process_index % len(states)])
+    with _reading(path / "rng.json", "does not hold RNG states"):
+        states = rng["processes"] if "processes" in rng else [rng]
+        if len(states) != num_processes:
+            warnings.warn(f"checkpoint {path} was saved by {len(states)} process(es) (rng.json), resumed on "
+                          f"{num_processes}: the run continues, but not exactly as it would have", stacklevel=2)
+        set_rng_state(states[process_index % len(states)])
     return load_trainer_state(path)

@@ -30,7 +30,7 @@ from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
 from grouprl.trainer.loop import StepResult, TrainingLoop
 from grouprl.trainer.metrics import StepMetrics
-from grouprl.trainer.parallel import full_named_parameters
+from grouprl.trainer.parallel import full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
@@ -46,7 +46,7 @@ def build_rewards(config: Config):
     else:
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), on_error=f.on_error)
                  for f in r.functions]
-    rewards = RewardSet.from_specs(specs) if specs else None
+    rewards = RewardSet.from_specs(specs, timeout=r.timeout) if specs else None
     if r.reward_server:
         from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
 
@@ -54,7 +54,7 @@ def build_rewards(config: Config):
         # the server's composite is one more weighted component beside any in-process rewards
         components = list(rewards.components) if rewards is not None else []
         components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
-        rewards = RewardSet(components)
+        rewards = RewardSet(components, timeout=r.timeout)
     if rewards is None:
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
                           "or 'worker.reward.reward_server'")
@@ -185,6 +185,7 @@ class RoundScoring:
             self._pool.shutdown(wait=True)
 
     def score(self, batch: RolloutBatch) -> RewardResult:
+        mark("reward")  # on the main thread only (an overlapped round scores in a worker)
         t0 = time.perf_counter()
         result = self._score(batch)
         self.score_s += time.perf_counter() - t0
@@ -340,6 +341,7 @@ class GRPOTrainer(TrainingLoop):
         t0 = time.perf_counter()
         # 1. the batch: generated and scored now, or (one_step_off) during the last step's update
         stale = self.prefetcher.holds(step)
+        mark("rollout")
         batch = self.prefetcher.take(metrics) if stale else self.rollout(step, metrics)
         self.rollout_taken(step, metrics, stale=stale)
         t_rollout = time.perf_counter() - t0
@@ -364,6 +366,7 @@ class GRPOTrainer(TrainingLoop):
         # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
         on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
         t_log_probs = time.perf_counter()
+        mark("log-probs")
         if not on_policy or kl_in_reward or self.correct_rollout:
             batch.old_log_probs = self._log_probs(self.model, batch)
         if self.correct_rollout:
@@ -388,6 +391,7 @@ class GRPOTrainer(TrainingLoop):
         if sleeping:
             self.engine.sleep()
         t_update = time.perf_counter()
+        mark("update")
         self.state.optimizer_steps += run_update(
             self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
             accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
@@ -397,6 +401,7 @@ class GRPOTrainer(TrainingLoop):
         # 5. the engine's weights follow, once it is done generating the next batch
         self.prefetcher.wait(metrics)
         t_sync = time.perf_counter()
+        mark("weight-sync")
         self._sync_rollout_weights()
         if sleeping:
             self.engine.wake_up()
@@ -443,6 +448,7 @@ class GRPOTrainer(TrainingLoop):
                         # a seed per micro-batch, and per round: an extra round's samples are independent too
                         sampling = replace(params, seed=params.seed + 7919 * rounds + 104_729 * k)
                         t0 = time.perf_counter()
+                        mark("generate")
                         if self.multiturn is not None:
                             batch = self.multiturn.generate(self.engine, chunk, sampling)
                         else:
@@ -465,6 +471,7 @@ class GRPOTrainer(TrainingLoop):
                     kept_groups += int(part.group_index.unique().numel())
                 rounds += 1
                 # the same decision on every process: they draw the same number of prompt batches
+                mark("dynamic-sampling")
                 fewest = self._fewest_over_processes(kept_groups)
                 if fewest >= wanted or rounds > algo.max_filter_rounds:
                     break
@@ -712,10 +719,12 @@ class GRPOTrainer(TrainingLoop):
         results, records = [], []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
+            mark("generate")
             if self.multiturn is not None:  # the verifier sees no reference in validation
                 batch = self.multiturn.generate(self.engine, samples, params, validation=True)
             else:
                 batch = self.engine.generate(samples, params)
+            mark("reward")
             result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses,
                                         reward_columns(batch), allow_unscored=True)
             results.append(result)

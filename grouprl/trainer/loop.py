@@ -49,7 +49,8 @@ from grouprl.files import write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
-from grouprl.trainer.parallel import full_state_dicts
+from grouprl.trainer.parallel import full_state_dicts, stage, staged
+from grouprl.trainer.reward_metrics import UnscoredSteps
 from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
 
 
@@ -204,6 +205,7 @@ class TrainingLoop(abc.ABC):
 
     # ------------------------------------------------------------------ metrics and records
 
+    @staged("metrics")
     def reduce_metrics(self, metrics: StepMetrics, prefix: str = "") -> dict[str, float]:
         """Every process's metrics combined; the main process records each key's kind in metrics_schema.json.
 
@@ -218,6 +220,7 @@ class TrainingLoop(abc.ABC):
                 values[f"{key}_per_s"] = values.pop(key) / step_s
         return values
 
+    @staged("records")
     def gather_records(self, records: list[dict]) -> list[dict]:
         """Every process's records, in process order, on every process (for the main one to write)."""
         if self.accelerator.num_processes == 1:
@@ -236,7 +239,7 @@ class TrainingLoop(abc.ABC):
 
     def resume(self) -> bool:
         """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
-        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir)
+        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir, accelerator=self.accelerator)
         if path is None:
             return False
         self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
@@ -250,6 +253,7 @@ class TrainingLoop(abc.ABC):
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
 
+    @staged("save")
     def save(self) -> Path | None:
         """Write a checkpoint (every process takes part; the main one writes).
 
@@ -295,6 +299,7 @@ class TrainingLoop(abc.ABC):
         if records is not None:
             writer.write(step, self.gather_records(records)[:limit])
 
+    @staged("validation")
     def _validate(self, step: int, writers: _Writers) -> None:
         result = self.validate(step)
         if result is None:
@@ -326,22 +331,28 @@ class TrainingLoop(abc.ABC):
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
+        unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
         try:
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
                 self._validate(0, writers)
             # 4. the steps
             while self.state.global_step < self.total_steps:
-                if t.save_on_signal and (signum := stop.agreed(self.accelerator)):
-                    self._stop(signum, stop)
+                if t.save_on_signal:
+                    with stage("signal check"):  # a collective: a process that never comes is named
+                        signum = stop.agreed(self.accelerator)
+                    if signum:
+                        self._stop(signum, stop)
                 step = self.state.global_step + 1
-                result = self.step(step)
+                with stage("train", step=step):  # a collective that times out names the stage (parallel.py)
+                    result = self.step(step)
                 self.last_step = result
                 last = self.reduce_metrics(result.metrics)
                 self.state.global_step = step
                 self.state.epoch = self._consumed_stream["epoch"]
                 self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]
                 writers.metrics.log(step, last)
+                unscored.check(step, last)  # after the log: a run stopped here shows the step
                 self._write(writers.rollouts, step, result.records)
                 self._write(writers.completions, step, result.completions)
                 if t.val_freq > 0 and step % t.val_freq == 0:

@@ -13,17 +13,206 @@ on CPU processes (gloo) and GPUs (NCCL). Every forward and backward of a sharded
 model is a collective: each process must run the same number of them, which the
 trainer guarantees by giving every process the same number of rows, and by
 sampling from a separate, unsharded rollout copy of the weights.
+
+Hangs. Every process waits in each collective for all the others, so one stuck or
+frozen process stops the job. :func:`make_accelerator` gives the process group
+``trainer.distributed_timeout``: a collective waiting longer fails, and :func:`stage`,
+which the run loop and the trainers wrap around their stages (:func:`mark` names the
+part of a stage under way), turns torch's transport-level error into
+:class:`CollectiveFailure` naming this process, where it was (``step 3, train >
+update``) and where every other process last said it was (``rank 1 was last at step
+3, train > reward``: the stuck one is usually the one elsewhere). The failing process exits, and the launcher (torchrun, accelerate) ends
+the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import math
+import threading
 from collections.abc import Iterator
-from typing import ContextManager
+from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
 
+from grouprl.config import ConfigError, TrainerConfig
 from grouprl.trainer.precision import Precision
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None):
+    """The run's ``accelerate.Accelerator`` (every trainer makes it here): on the CPU when
+    ``trainer.device`` says so, its process group waiting at most ``trainer.distributed_timeout``
+    seconds in a collective (see the module docstring), with ``kwargs_handlers`` beside that."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    timeout = trainer.distributed_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ConfigError(f"config key 'trainer.distributed_timeout' must be seconds > 0; got {timeout!r}")
+    # Only used when this Accelerator starts the process group; one started before keeps its own.
+    _TIMEOUT[0] = float(timeout)
+    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)), *(kwargs_handlers or [])]
+    return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed (timed out, or a peer vanished) while this process was in ``stage``.
+
+    ``rank``/``world_size``: this process; ``peers``: rank -> the stage that process last
+    reported (those that could be read), where the stuck process usually shows.
+    """
+
+    def __init__(self, message: str, *, rank: int, world_size: int, stage: str, peers: dict[int, str]):
+        super().__init__(message)
+        self.rank, self.world_size, self.stage, self.peers = rank, world_size, stage, peers
+
+
+class _Stages(threading.local):
+    """This thread's open stages, innermost last: [name, detail] (``detail`` set by :func:`mark`)."""
+
+    def __init__(self) -> None:
+        self.open: list[list[str | None]] = []
+
+
+_STAGES = _Stages()
+_STEP: list[int | None] = [None]  # the training step under way (set by the loop's outermost stage)
+_STORE_KEY = "grouprl/stage/{rank}"
+_TIMEOUT: list[float | None] = [None]  # trainer.distributed_timeout of this process's Accelerator, for messages
+
+
+def current_stage() -> str:
+    """What this thread is doing, e.g. ``train > reward`` ("" outside any stage)."""
+    return " > ".join(name if detail is None else f"{name} > {detail}" for name, detail in _STAGES.open)
+
+
+def _where() -> str:
+    """The current stage with the training step, e.g. ``step 3, train > reward``."""
+    here = current_stage() or "(between stages)"
+    return here if _STEP[0] is None else f"step {_STEP[0]}, {here}"
+
+
+@contextlib.contextmanager
+def stage(name: str, *, step: int | None = None) -> Iterator[None]:
+    """Run the block as stage ``name`` (``step``: the training step it belongs to, from now on).
+
+    A collective that fails inside (torch's timeout after ``trainer.distributed_timeout``, a
+    peer's connection gone) leaves as :class:`CollectiveFailure` naming this process, the stage
+    and where the other processes last were. Stages nest; the main thread's current stage is
+    published in the process group's store for the others' messages.
+    """
+    if step is not None:
+        _STEP[0] = step
+    _STAGES.open.append([name, None])
+    _publish()
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, CollectiveFailure) or not _is_collective_failure(exc):
+            raise
+        raise _explain(exc) from exc
+    finally:
+        _STAGES.open.pop()
+        _publish()
+
+
+def staged(name: str) -> Callable[[F], F]:
+    """Decorator: the function runs as :func:`stage` ``name``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with stage(name):
+                return fn(*args, **kwargs)
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+def mark(detail: str) -> None:
+    """Name the part of the innermost stage this thread is now in (``mark("update")`` within a step)."""
+    if _STAGES.open:
+        _STAGES.open[-1][1] = detail
+        _publish()
+
+
+def _group() -> tuple[int, int] | None:
+    """(rank, world size) when several processes share a process group, else None."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _store():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()  # noqa: SLF001 (no public accessor; guarded by callers)
+
+
+def _publish() -> None:
+    # Where this process is, for a peer that times out waiting for it. The main thread's stage
+    # only: a prefetching thread's would hide what the main thread waits in. Best effort.
+    group = _group()
+    if group is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        _store().set(_STORE_KEY.format(rank=group[0]), _where())
+    except Exception:  # noqa: BLE001 (the store is a diagnostic aid; the run must not depend on it)
+        pass
+
+
+def _peer_stages(rank: int, world: int) -> dict[int, str]:
+    """rank -> last published stage of every other process that published one (store permitting)."""
+    peers: dict[int, str] = {}
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=5))  # the job is failing: do not wait long for a diagnosis
+        for r in range(world):
+            key = _STORE_KEY.format(rank=r)
+            if r != rank and store.check([key]):
+                peers[r] = store.get(key).decode()
+    except Exception:  # noqa: BLE001
+        pass
+    return peers
+
+
+_COLLECTIVE_SIGNS = ("timed out waiting", "connection closed by peer", "connection reset by peer",
+                     "broken pipe", "gloo", "nccl", "watchdog")
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    if _group() is None:
+        return False
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    # gloo's timeouts and lost peers reach Python as plain RuntimeErrors from its transport
+    # ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv ...");
+    # subclasses (RewardError, VerifierError, ...) are grouprl's own errors, whatever they say
+    text = str(exc).lower()
+    return type(exc) is RuntimeError and any(sign in text for sign in _COLLECTIVE_SIGNS)
+
+
+def _explain(exc: BaseException) -> CollectiveFailure:
+    rank, world = _group()
+    where = _where()
+    peers = _peer_stages(rank, world)
+    seen = "; ".join(f"rank {r} was last at {s}" for r, s in sorted(peers.items())) or \
+        "the other processes' stages are unknown"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    limit = f"={_TIMEOUT[0]:g} s" if _TIMEOUT[0] is not None else ""
+    message = (f"rank {rank} of {world}: a collective failed at {where} (it waits at most "
+               f"trainer.distributed_timeout{limit}, or a peer is gone): {seen}; a process stuck or frozen "
+               f"elsewhere stops every other one. torch: {first}")
+    return CollectiveFailure(message, rank=rank, world_size=world, stage=where, peers=peers)
 
 
 def has_trainable_vision_tower(model) -> bool:

@@ -81,17 +81,15 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
     vision tower that trains gets no gradient from text-only micro-batches, so DDP
     must look for unused parameters.
     """
-    from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
     from grouprl.models.inputs import unwrap_model
-    from grouprl.trainer.parallel import has_trainable_vision_tower, shard_fsdp
+    from grouprl.trainer.parallel import has_trainable_vision_tower, make_accelerator, shard_fsdp
 
     precision = run_precision(actor.model, actor.optim.strategy)
     model, processor, is_vlm = build_policy(actor.model, precision)
     find_unused = is_vlm and has_trainable_vision_tower(model)
-    accelerator = Accelerator(cpu=trainer.device == "cpu",
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
+    accelerator = make_accelerator(trainer, [DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
     if trainer.device == "cuda" and accelerator.device.type != "cuda":
         raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
     sharded = actor.strategy == "fsdp"

@@ -3,16 +3,23 @@
 From a ``grouprl.rewards.RewardResult`` (per-row component values, ``None`` where a component
 does not apply, and the weighted total): ``rewards/{key}/mean`` and ``/std`` over the rows where
 the component applies, ``rewards/{key}/applicable_frac``, and ``reward/mean`` / ``reward/std`` of
-the weighted total. Every key is declared on every process, whether or not a component applied to
-any of its rows, because the processes reduce the same keys together (``trainer.metrics``).
+the weighted total, and ``reward/unscored_steps``: 1 for a step in which no row on any process got a
+score, else 0 (the column summed over a run counts such steps). Every key is declared on every
+process, whether or not a component applied to any of its rows, because the processes reduce the
+same keys together (``trainer.metrics``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
-from grouprl.rewards import RewardResult
+from grouprl.rewards import RewardResult, UnscoredError
 from grouprl.trainer.metrics import StepMetrics
+
+logger = logging.getLogger(__name__)
+
+UNSCORED_STEPS = "reward/unscored_steps"
 
 
 def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[str], prefix: str = "") -> None:
@@ -26,9 +33,39 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
         metrics.moments(f"{prefix}rewards/{key}", values)
         metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
     metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
+    # a "min" over every batch part and process: 1 only if not one row anywhere was scored
+    metrics.min(f"{prefix}{UNSCORED_STEPS}", float(all(t is None for t in result.total)))
 
 
 def join_results(results: Sequence[RewardResult], keys: Sequence[str], weights: Mapping[str, float]) -> RewardResult:
     """The results of consecutive parts of a batch (micro-batches) as one result over all its rows, in order."""
     return RewardResult(components={k: [v for r in results for v in r.components[k]] for k in keys},
                         total=[t for r in results for t in r.total], weights=dict(weights))
+
+
+class UnscoredSteps:
+    """Watches a run's reduced step metrics for steps in which no row got a score.
+
+    Such a step has a zero loss: a reward that returns None for every row (a misnamed column, a
+    server that answers nothing) would train nothing while the run finishes without a word.
+    The first such step is warned about on the main process, in one line naming the rewards;
+    with ``fail`` (``trainer.fail_on_unscored_steps``) every process stops there together (the
+    reduced value is the same on each) with an :class:`~grouprl.rewards.UnscoredError`.
+    """
+
+    def __init__(self, rewards: Sequence[str], *, fail: bool, warn: bool):
+        self.rewards, self.fail, self.warn = list(rewards), fail, warn
+        self.warned = False
+
+    def check(self, step: int, values: Mapping[str, float]) -> None:
+        """``values``: step ``step``'s metrics, reduced over every process."""
+        if values.get(UNSCORED_STEPS) != 1.0:
+            return
+        # None from every reward, or an on_error: none reward that failed: either way nothing applied
+        what = f"step {step}: no row was scored (no reward applied to any row: {', '.join(self.rewards)})"
+        if self.fail:
+            raise UnscoredError(f"{what}; stopping, as trainer.fail_on_unscored_steps is set")
+        if self.warn and not self.warned:
+            self.warned = True
+            logger.warning("%s; the step trained on nothing. Further such steps are counted in %s "
+                           "(set trainer.fail_on_unscored_steps to stop instead)", what, UNSCORED_STEPS)

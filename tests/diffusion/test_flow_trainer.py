@@ -199,6 +199,26 @@ def test_train_command_reads_a_flow_config(flow_config, tmp_path):
     saved = yaml.safe_load((tmp_path / "cli" / "config.yaml").read_text())
     assert saved["kind"] == "flow" and saved["algorithm"]["name"] == "flow_grpo_fast"
     assert (tmp_path / "cli" / "checkpoints" / "global_step_1" / "model" / "adapter_model.safetensors").exists()
+    metrics = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["reward/unscored_steps"] == 0  # the language trainer's schema: every image was scored
+
+
+def test_an_image_no_reward_applies_to_stops_the_run_in_one_line(flow_config, tmp_path, capsys):
+    """The flow trainer needs a score for every image (its advantages are per image), so an image no
+    reward applies to stops the run at once, with or without ``trainer.fail_on_unscored_steps``:
+    one line naming the rewards, not a traceback."""
+    (tmp_path / "never.py").write_text("def never(images, prompts, **metadata):\n    return [None] * len(images)\n")
+    config = flow_config(tmp_path / "never", **{"trainer.max_steps": 1, "trainer.val_freq": -1,
+                                                "worker.reward.functions": [{"name": f"{tmp_path}/never.py:never"}]})
+    from grouprl.config import redacted
+
+    path = tmp_path / "flow.yaml"
+    path.write_text(yaml.safe_dump(redacted(config)))
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("grouprl: reward error: row 0: every image reward returned None") and "never.py:never" in last
 
 
 def test_flow_config_errors_name_the_key(flow_config, tmp_path):

@@ -72,6 +72,8 @@ def test_both_trainers_log_shared_keys_alike_and_timings_as_the_slowest_process(
         for prefix in ("", "val/"):
             assert schema[f"{prefix}rewards/{key}"] == "moments"
             assert schema[f"{prefix}rewards/{key}/applicable_frac"] == "mean"
+    for schema in (language, flow):  # 1 where no row on any process was scored: the least over them
+        assert schema["reward/unscored_steps"] == "min"
     # counts become rates over the slowest process's step time
     for name, rate in (("language", "perf/tokens_per_s"), ("flow", "perf/images_per_s")):
         first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])

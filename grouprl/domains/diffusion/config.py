@@ -104,6 +104,8 @@ class FlowRewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=list)
     # MM-GRPO's data.val_reward_fn: scored at validation instead of `functions` when set
     val_functions: list[RewardFunctionConfig] = field(default_factory=list)
+    # seconds per image reward call, None = no limit (as the language trainer's worker.reward.timeout)
+    timeout: float | None = None
 
 
 @dataclass
@@ -185,3 +187,5 @@ def validate_flow(config: FlowConfig) -> None:
                           "adapters (the reference model is the policy with them off)")
     if not config.worker.reward.functions:
         raise ConfigError("config key 'worker.reward.functions' is empty: name at least one image reward")
+    if config.worker.reward.timeout is not None:
+        _positive("worker.reward.timeout", config.worker.reward.timeout)

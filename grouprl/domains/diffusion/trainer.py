@@ -64,6 +64,7 @@ from grouprl.files import RecordsError, read_json_records
 from grouprl.rewards import RewardResult
 from grouprl.trainer.loop import StepResult, TrainingLoop
 from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.parallel import make_accelerator, mark
 from grouprl.trainer.precision import precision_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
@@ -178,7 +179,6 @@ class FlowGRPOTrainer(TrainingLoop):
 
     def __init__(self, config: FlowConfig, *, train_records: list[dict] | None = None,
                  val_records: list[dict] | None = None):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         from grouprl.domains.diffusion.config import require_diffusers
@@ -190,7 +190,7 @@ class FlowGRPOTrainer(TrainingLoop):
 
         t, actor, rollout = config.trainer, config.worker.actor, config.worker.rollout
         set_seed(t.seed)
-        accelerator = Accelerator(cpu=t.device == "cpu")
+        accelerator = make_accelerator(t)
         if t.device == "cuda" and accelerator.device.type != "cuda":
             raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
         self.device = accelerator.device
@@ -216,8 +216,9 @@ class FlowGRPOTrainer(TrainingLoop):
                               world_size=accelerator.num_processes)
         super().__init__(config, accelerator=accelerator, stream=stream)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
-        self.rewards = ImageRewardSet.from_specs(config.worker.reward.functions)
-        self.val_rewards = ImageRewardSet.from_specs(config.worker.reward.val_functions or config.worker.reward.functions)
+        reward = config.worker.reward
+        self.rewards = ImageRewardSet.from_specs(reward.functions, timeout=reward.timeout)
+        self.val_rewards = ImageRewardSet.from_specs(reward.val_functions or reward.functions, timeout=reward.timeout)
         self.sched = schedule(self.model.scheduler, rollout.num_steps)
 
     def _add_lora(self, transformer, lora):
@@ -270,11 +271,13 @@ class FlowGRPOTrainer(TrainingLoop):
         t0 = time.perf_counter()
         # 1-3. the images, scored: sampled now, or (one_step_off) by the sampler during the last step's update
         stale = self.prefetcher.holds(step)
+        mark("rollout")
         rollout = self.prefetcher.take(metrics) if stale else self.rollout(step, metrics)
         self.rollout_taken(step, metrics, stale=stale)
         # 4. advantages per image, every trained step of an image a row
         advantages = self._advantages(torch.tensor(rollout.rewards.total, dtype=torch.float32))
         batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
+        mark("log-probs")
         if stale:
             self._recompute_old(batch, metrics)
         # 5. the reference's means
@@ -285,6 +288,7 @@ class FlowGRPOTrainer(TrainingLoop):
         batch = batch.select(perm)
         metrics.mean("actor/lr", self.scheduler.get_last_lr()[0])
         u0 = time.perf_counter()
+        mark("update")
         self.state.optimizer_steps += run_update(
             self.train_model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=self._loss_fn,
             accelerator=self.accelerator, precision=self.precision,
@@ -328,6 +332,7 @@ class FlowGRPOTrainer(TrainingLoop):
             for start in range(0, len(prompts), rollout.micro_batch_size):
                 rows = list(range(start, min(start + rollout.micro_batch_size, len(prompts))))
                 s0 = time.perf_counter()
+                mark("sample")
                 traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
                               guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
                               kind=rollout.kind, sde_steps=sde_steps, store=store, generator=generator)
@@ -335,6 +340,7 @@ class FlowGRPOTrainer(TrainingLoop):
                 trajectories.append(traj)
                 args = (self.model.decode(traj.final), [prompts[i] for i in rows],
                         {k: [v[i] for i in rows] for k, v in metadata.items()})
+                mark("reward")
                 scored.append(scorer.submit(self.rewards.score, *args) if scorer else self.rewards.score(*args))
             wait0 = time.perf_counter()
             results = [s.result() for s in scored] if scorer else scored
@@ -476,6 +482,7 @@ class FlowGRPOTrainer(TrainingLoop):
         self.sched = schedule(self.model.scheduler, rollout.num_steps)  # set_timesteps changed the scheduler's state
         generator = torch.Generator().manual_seed(rollout.val_seed)
         images, prompts, metadata = [], [], {}
+        mark("sample")
         for start in range(0, len(records), config.data.val_batch_size):
             chunk = records[start:start + config.data.val_batch_size]
             chunk_prompts = [r[config.data.prompt_key] for r in chunk]
@@ -490,6 +497,7 @@ class FlowGRPOTrainer(TrainingLoop):
                 metadata.setdefault(k, [])
             for k in metadata:
                 metadata[k].extend(r.get(k) for r in chunk)
+        mark("reward")
         result = self.val_rewards.score(images, prompts, metadata)
         record_rewards(metrics, result, self.val_rewards.keys)
         if self.is_main and rollout.val_images_to_log > 0:

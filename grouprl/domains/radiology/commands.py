@@ -226,6 +226,7 @@ def cmd_serve_rewards(args) -> int:
         serve(args.host, args.port, args.workers, token, ports=args.ports,
               default_components=_names(args.components) or list(DEFAULT_COMPONENTS), max_batch=args.max_batch,
               max_chars=args.max_chars, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+              header_timeout=args.header_timeout,
               default_type=args.default_type, scoring_threads=args.scoring_threads,
               class_frequencies=args.class_frequencies, entity_embeddings=args.entity_embeddings,
               entity_encoder=args.entity_encoder, log_level=args.log_level)
@@ -265,6 +266,9 @@ def _serve_rewards_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (else 413)")
     p.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive (else 408)")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a request's line and headers may take to arrive, from the connection's opening "
+                        "or the request's first byte (else 408 and the connection is closed)")
     p.add_argument("--scoring-threads", type=int, default=1,
                    help="with --workers 1: threads scoring requests (the components must be thread-safe); each of "
                         "--workers N scoring processes scores one request at a time")

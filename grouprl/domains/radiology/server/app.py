@@ -65,8 +65,10 @@ scored answer names the process that scored it (header ``X-Scoring-Pid``). A com
 that raises gives a 500 naming it (a RadVLM route answers its fallback score instead,
 logged and counted); a scoring process that dies gives a 503 to the requests it took
 down and the pool is started afresh. A request body must arrive within
-``body_timeout`` seconds (else 408 and the connection is closed); a client that
-disconnects mid-body is logged in one line.
+``body_timeout`` seconds (else 408 and the connection is closed), and a request's line and
+headers within ``header_timeout`` seconds of the connection opening or of the request's first
+byte (else 408 and closed, see ``header_timeout_protocol``); a client that disconnects mid-body
+is logged in one line. A body nested too deeply to parse is a 400, like any malformed JSON.
 """
 
 # No "from __future__ import annotations": FastAPI must see the route parameters' real types
@@ -125,6 +127,7 @@ DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_CHARS = 20_000
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_HEADER_TIMEOUT = 30.0
 
 SCORING_PID_HEADER = "X-Scoring-Pid"  # which process scored an answer
 POOL_START_TIMEOUT = 300.0  # seconds the scoring processes may take to import and build their components
@@ -249,6 +252,10 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
         payload = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise RequestError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+    except RecursionError:
+        # json's parser recurses once per array or object level; a body of nested brackets runs
+        # out of stack (the interpreter unwinds cleanly), which is the client's error, not ours
+        raise RequestError("malformed JSON: arrays or objects nested too deeply to parse") from None
     if not isinstance(payload, dict):
         raise RequestError(f"expected a JSON object, got a JSON {_json_type(payload)}")
     return payload
@@ -924,6 +931,72 @@ def _peer(request) -> str:
 # ----------------------------------------------------------------------------- serving
 
 
+def header_timeout_protocol(timeout: float = DEFAULT_HEADER_TIMEOUT) -> type:
+    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``) with a deadline on a request's
+    line and headers: ``timeout`` seconds, else a 408 and the connection is closed.
+
+    uvicorn bounds only an idle keep-alive connection (``timeout_keep_alive``, armed when a
+    response is complete and disarmed by the next byte): a connection that sends nothing, or
+    trickles a request line or headers a byte at a time, has no deadline and holds its socket
+    (and memory) for as long as the client likes. The deadline starts when the connection opens,
+    and again at the first byte of each later request, and ends when the headers are parsed (the
+    protocol then starts a new request cycle); more bytes do not extend it. The body has its own
+    deadline in the app (``Limits.body_timeout``), where the route can answer in JSON.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+        raise ValueError(f"reward server header_timeout must be a positive number of seconds, got {timeout!r}")
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    # h11, or httptools where installed: both keep ``cycle`` (the current request, set once its
+    # headers are parsed), ``transport``, ``client`` and ``loop``
+    base = import_from_string(HTTP_PROTOCOLS["auto"])
+    message = f"request line and headers not received within {timeout:g} s"
+    body = json.dumps({"result": "error", "data": {"message": message}}).encode()
+    answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    class HeaderTimeoutProtocol(base):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # these bytes start a request, or continue its headers
+                self._arm_header_deadline()
+            super().data_received(data)
+            if self.cycle is not cycle:  # its headers are parsed
+                self._disarm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            if self._header_deadline is None:
+                self._header_deadline = self.loop.call_later(timeout, self._headers_too_slow)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:  # closed, or upgraded
+                return
+            peer = "%s:%d" % self.client if self.client else "(unknown)"
+            logger.info("client %s: %s; connection closed", peer, message)
+            # written raw: no request was parsed, so there is no request cycle to answer through
+            self.transport.write(answer)
+            self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 def bind_sockets(host: str, port: int, count: int = 1) -> list[socket.socket]:
     """Listening-ready sockets on ``port, port + 1, ..., port + count - 1`` (closed again if one fails).
 
@@ -968,6 +1041,7 @@ def serve(
     max_chars: int = DEFAULT_MAX_CHARS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
     default_type: str = "short",
     scoring_threads: int = 1,
     class_frequencies: str | None = None,
@@ -988,7 +1062,8 @@ def serve(
     spread). So ``--ports`` matches the clients' port list and ``--workers`` the
     machine's cores. Bad settings fail here, once, before any process starts; the
     pool's processes are started and warmed before the ports accept connections (if they
-    cannot start, uvicorn logs why and exits with status 3).
+    cannot start, uvicorn logs why and exits with status 3). ``body_timeout`` and
+    ``header_timeout`` bound how long a request may take to arrive (``header_timeout_protocol``).
     """
     import uvicorn
 
@@ -1003,6 +1078,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("reward server listening on %s: reachable from other machines%s", host,
                        "" if token else " without a token (pass --token)")
+    http = header_timeout_protocol(header_timeout)  # a bad value fails here, before any process starts
     app = create_app(**settings)
     tune_gc_for_serving()  # this process scores too with --workers 1
     sockets = bind_sockets(host, port, ports)
@@ -1010,7 +1086,7 @@ def serve(
     scorers = f"{workers} scoring processes" if workers > 1 else f"{scoring_threads} scoring thread(s)"
     # uvicorn announces only the first port; say where every one is
     print(f"grouprl reward server: listening on {listening}, {scorers}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE))
     try:
         server.run(sockets=sockets)
