@@ -118,6 +118,19 @@ def describe(obj: Any) -> str:
 _MISSING = object()
 
 
+def lazy_attributes(module: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` (PEP 562) giving each name in ``exports`` (name -> the module
+    defining it) from its module, imported on first use: a package exports its public names at its
+    top without importing what they need (a domain's diffusers, encoders) when it is imported."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    return __getattr__
+
+
 class Registry(MutableMapping, Generic[T]):
     """Named parts of one kind (see the module docstring).
 

@@ -10,7 +10,7 @@ The sampling math needs only torch; everything that loads a model needs
 
 from __future__ import annotations
 
-import importlib
+from grouprl.registry import lazy_attributes
 
 # public name -> the module that defines it; imported on first use, so `grouprl.domains.diffusion.sde_step`
 # does not import diffusers
@@ -25,8 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'grouprl.domains.diffusion' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

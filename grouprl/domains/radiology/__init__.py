@@ -18,7 +18,7 @@ Names are imported on first use, so ``import grouprl.domains.radiology`` is chea
 
 from __future__ import annotations
 
-import importlib
+from grouprl.registry import lazy_attributes
 
 _EXPORTS = {
     "label_report": "grouprl.domains.radiology.rewards.chexpert",
@@ -48,8 +48,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'grouprl.domains.radiology' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
+from grouprl.registry import lazy_attributes
 
 _EXPORTS = {
     "Problem": "grouprl.domains.reasoning.synthetic_math",
@@ -17,8 +17,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'grouprl.domains.reasoning' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
