@@ -382,3 +382,28 @@ def tiny_examples(tmp_path_factory):
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)
     return TinyExamples(ROOT / "examples", tmp_path_factory.mktemp("tiny"), setup)
+
+
+@pytest.fixture(scope="session")
+def check_lazy_exports():
+    return _check_lazy_exports
+
+
+def _check_lazy_exports(package_name: str) -> None:
+    """A domain package's ``__all__`` names each resolve to an object of that domain, an unknown name is
+    an AttributeError, and importing the package alone imports none of its modules (they load on first use)."""
+    import importlib
+    import subprocess
+    import sys
+
+    package = importlib.import_module(package_name)
+    assert package.__all__
+    for name in package.__all__:
+        obj = getattr(package, name)
+        assert getattr(obj, "__name__", name) == name
+        assert obj.__module__.startswith(package_name)
+    with pytest.raises(AttributeError, match="no attribute 'not_exported'"):
+        package.not_exported
+    code = f"import sys, {package_name}; print(sorted(m for m in sys.modules if m.startswith({package_name + '.'!r})))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
