@@ -247,6 +247,23 @@ def forward_kwargs(
     return kwargs
 
 
+def placeholder_token_ids(model) -> list[int]:
+    """The multimodal placeholder tokens of the model's config (image, video, vision start/end).
+
+    A response never contains them: every engine keeps them out of its samples (an image
+    placeholder in a response would be taken for an image slot by the next forward), so the
+    policy that samples, and that the trainer scores, is the model restricted to the other
+    tokens (``grouprl.rollout.logprobs.forward_response_log_probs``).
+    """
+    config = model_config(model)
+    ids: list[int] = []
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return ids
+
+
 def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.masked_fill(attention_mask == 0, 0)

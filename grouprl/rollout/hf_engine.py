@@ -17,10 +17,12 @@ from grouprl.models.inputs import (
     left_pad,
     model_device,
     pad_token_id,
+    placeholder_token_ids,
     tokenizer_of,
     unwrap_model,
 )
 from grouprl.rollout.batch import RolloutBatch
+from grouprl.rollout.logprobs import suppress_tokens
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 
 # Chat models end a turn with one of these; a checkpoint's tokenizer may name only one of them as EOS.
@@ -56,7 +58,7 @@ class HFGenerationEngine(RolloutEngine):
         self.truncation = truncation
         self.pad_token_id = pad_token_id(processor)
         self.eos_token_ids = _eos_token_ids(processor, model)
-        self.suppressed_token_ids = _placeholder_token_ids(model)
+        self.suppressed_token_ids = placeholder_token_ids(model)
         self.holds_weights = holds_weights
         if holds_weights:
             unwrap_model(model).requires_grad_(False)
@@ -102,7 +104,8 @@ class HFGenerationEngine(RolloutEngine):
                 new, logits = self._generate_rows(model, ids, mask, row_inputs[start : start + step], config)
                 tokens.append(new)
                 if params.return_log_probs:
-                    logits = logits.float() / params.log_prob_temperature
+                    # the distribution sampled from: placeholders suppressed, as the trainer scores it
+                    logits = suppress_tokens(logits.float() / params.log_prob_temperature, self.suppressed_token_ids)
                     picked = logits.gather(-1, new.to(logits.device).unsqueeze(-1)).squeeze(-1)
                     log_probs.append((picked - torch.logsumexp(logits, dim=-1)).cpu())
 
@@ -188,17 +191,6 @@ class HFGenerationEngine(RolloutEngine):
         ids = ids.masked_fill(mask == 0, self.pad_token_id)
         keep = int(mask.sum(dim=1).max()) if len(mask) else 0
         return ids[:, :keep], mask[:, :keep], ~has_eos
-
-
-def _placeholder_token_ids(model) -> list[int]:
-    """Multimodal placeholder tokens of the model's config; a response must never contain them."""
-    config = unwrap_model(model).config
-    ids = []
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value not in ids:
-            ids.append(value)
-    return ids
 
 
 def _eos_token_ids(processor, model) -> list[int]:

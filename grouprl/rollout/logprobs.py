@@ -4,7 +4,30 @@ from __future__ import annotations
 
 import torch
 
-from grouprl.models.inputs import collate_model_inputs, forward_kwargs, forward_parameters, model_device
+from grouprl.models.inputs import (
+    collate_model_inputs,
+    forward_kwargs,
+    forward_parameters,
+    model_device,
+    placeholder_token_ids,
+)
+
+
+def suppress_tokens(logits: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """``logits`` with the columns ``token_ids`` set to -inf: the distribution restricted to the other tokens.
+
+    ``log softmax(logits)[y] - log(1 - sum_{s in S} softmax(logits)[s])`` for every y not
+    in S. This is the policy every engine samples from (placeholder tokens suppressed) and
+    the one the trainer scores, so the sampler's log-probs and the trainer's are of the same
+    distribution: vLLM's processed log-probs include its logit bias, and on a random tiny VLM
+    the suppressed tokens hold about 1.5% of the mass (log-probs 1.4e-2 apart otherwise). On
+    a trained checkpoint their mass is negligible and this changes nothing measurable.
+    In place: pass a tensor that nothing else (autograd included) reads afterwards.
+    """
+    if not token_ids:
+        return logits
+    logits[..., token_ids] = float("-inf")
+    return logits
 from grouprl.rollout.batch import RolloutBatch
 
 
@@ -21,8 +44,9 @@ def forward_response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass over ``cat(prompt, response)``; log-probs of the response tokens.
 
-    ``log_prob[i, t] = log softmax(logits[i, P + t - 1] / temperature)[response_ids[i, t]]``
-    and ``entropy[i, t] = -sum_v p_v log p_v`` of the same distribution, both 0
+    ``log_prob[i, t] = log softmax(logits[i, P + t - 1] / temperature)[response_ids[i, t]]``,
+    the softmax over the vocabulary less the model's multimodal placeholder tokens, which no
+    engine ever samples (``suppress_tokens``), and ``entropy[i, t] = -sum_v p_v log p_v`` of the same distribution, both 0
     where ``response_mask`` is 0. Shapes ``[B, R]``, on the model's device;
     ``log_prob`` is differentiable when grad is enabled (the policy-loss
     micro-batch), ``entropy`` never is (it is logged, not optimised).
@@ -52,11 +76,19 @@ def forward_response_log_probs(
         # Logits of the prompt positions are never used; with a 150k vocabulary they are most of the memory.
         kwargs["logits_to_keep"] = used + 1
     logits = model(**kwargs, use_cache=False).logits
-    logits = logits[:, -(used + 1) : -1, :].float()
+    model_logits = logits[:, -(used + 1) : -1, :]
+    logits = model_logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = response_ids.to(device)
     mask = response_mask.to(device=device, dtype=logits.dtype)
+    suppressed = placeholder_token_ids(model)
+    if suppressed:
+        if (torch.isin(targets, torch.tensor(suppressed, device=device)) & mask.bool()).any():
+            raise ValueError(f"a response holds a multimodal placeholder token (ids {suppressed}), which no engine "
+                             "samples and the policy gives probability 0; responses must be plain text")
+        # in place on a copy made here (the float cast or the temperature); the model's own output is copied first
+        logits = suppress_tokens(logits.clone() if logits is model_logits else logits, suppressed)
     normalizer = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # select, not multiply: a padded position's logits may be anything, inf included
@@ -69,7 +101,9 @@ def forward_response_log_probs(
         # at peak; 260 MB for 32 x 64 tokens over a 32k vocabulary).
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
-            token_entropy = torch.where(mask.bool(), normalizer - (probs * logits).sum(-1), torch.zeros_like(normalizer))
+            # a suppressed token (logit -inf, probability 0) adds 0, not 0 * -inf
+            expected_logit = torch.where(probs > 0, probs * logits, 0.0).sum(-1)
+            token_entropy = torch.where(mask.bool(), normalizer - expected_logit, torch.zeros_like(normalizer))
         entropy = torch.nn.functional.pad(token_entropy, (0, width - used))
     return log_probs, entropy
 

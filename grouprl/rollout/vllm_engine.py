@@ -32,20 +32,37 @@ into a RolloutBatch are plain Python, tested without vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from grouprl.data.sample import Sample
-from grouprl.models.inputs import encode_prompts, left_pad, pad_token_id, tokenizer_of, unwrap_model
+from grouprl.models.inputs import (
+    encode_prompts,
+    left_pad,
+    pad_token_id,
+    placeholder_token_ids,
+    tokenizer_of,
+    unwrap_model,
+)
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
-from grouprl.rollout.hf_engine import _eos_token_ids, _placeholder_token_ids
+from grouprl.rollout.hf_engine import _eos_token_ids
+from grouprl.rollout.vllm_capabilities import (
+    load_weights,
+    platform_name,
+    sleep_mode_available,
+    vllm_model,
+    vllm_version,
+    weight_sync_path,
+)
 
 INSTALL_HINT = "pip install 'grouprl[vllm]'"
+
+logger = logging.getLogger(__name__)
 
 # A logit bias that keeps a token out of every sample (vLLM adds it to the logit; e^-100 underflows
 # against any real token). Used for image placeholders: one in a response would be taken for an
@@ -378,35 +395,6 @@ def rollout_batch_from_vllm(
     )
 
 
-def vllm_model(llm) -> torch.nn.Module:
-    """The ``torch.nn.Module`` inside a colocated ``vllm.LLM`` (the one with ``load_weights``).
-
-    Reached through the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-    ``llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model`` (the
-    ``.worker`` hop is vLLM 0.24's, measured; TRL's code goes without it). A vLLM
-    release that moves it gets one clear error here rather than an AttributeError
-    deep in a training step.
-    """
-    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
-    driver = getattr(executor, "driver_worker", None)
-    for worker in (getattr(driver, "worker", None), driver):
-        runner = getattr(worker, "model_runner", None)
-        if runner is None:
-            continue
-        get_model = getattr(runner, "get_model", None)
-        for candidate in ((get_model() if callable(get_model) else None), getattr(runner, "model", None)):
-            if candidate is not None and callable(getattr(candidate, "load_weights", None)):
-                return candidate
-    tried = ["llm.llm_engine.model_executor.driver_worker.worker.model_runner.model",
-             "llm.llm_engine.model_executor.driver_worker.model_runner.model"]
-    version = getattr(sys.modules.get("vllm"), "__version__", "?")
-    raise RuntimeError(
-        f"cannot reach the model inside vllm.LLM (vLLM {version}): none of {tried} has load_weights. "
-        "The engine must run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM starts: "
-        f"it is {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r}); otherwise this vLLM release moved the "
-        "model runner: update grouprl.rollout.vllm_engine.vllm_model")
-
-
 # ---------------------------------------------------------------------------- the engine
 
 
@@ -463,11 +451,18 @@ class VLLMEngine(RolloutEngine):
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.limit_images = limit_images
+        if enable_sleep_mode and not sleep_mode_available():
+            # vLLM refuses to start with sleep mode where its memory pool does not exist (the CPU
+            # build): the run goes on without it; nothing on such a platform needs the memory back
+            logger.warning("vLLM %s has no sleep mode on %s: worker.rollout.enable_sleep_mode is ignored, the "
+                           "engine keeps its memory during the update", vllm_version(), platform_name())
+            enable_sleep_mode = False
         self.enable_sleep_mode = enable_sleep_mode
+        self.supports_sleep = enable_sleep_mode
         self.sleep_level = sleep_level
         self.pad_token_id = pad_token_id(processor)
         self.eos_token_ids = _eos_token_ids(processor, model)
-        self.suppressed_token_ids = _placeholder_token_ids(model)
+        self.suppressed_token_ids = placeholder_token_ids(model)
         config = getattr(unwrap_model(model), "config", None)
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
@@ -487,6 +482,8 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         self.llm = LLM(**self.llm_kwargs)
+        # how trained weights get into this vLLM, decided once from what the loaded model is
+        self.weight_sync_path = weight_sync_path(self.llm)
 
     @classmethod
     def from_config(cls, model, processor, *, config, holds_weights: bool) -> VLLMEngine:
@@ -569,7 +566,7 @@ class VLLMEngine(RolloutEngine):
                 count += 1
                 yield name, tensor
 
-        loaded = model.load_weights(counted())
+        loaded = load_weights(self.llm, counted(), path=self.weight_sync_path)
         if count == 0:
             raise ValueError("update_weights got no tensors")
         if self._weights_discarded:
@@ -592,6 +589,21 @@ class VLLMEngine(RolloutEngine):
     def wake_up(self) -> None:
         """Take the memory back (weights first, then the KV cache); update_weights may follow."""
         self._wake(("weights", "kv_cache"))
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down and give its memory back (the engine cannot generate after this)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if callable(getattr(core, "shutdown", None)):
+            core.shutdown()
+        del llm, core
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _wake(self, tags: Sequence[str]) -> None:
         todo = [tag for tag in tags if tag in self._asleep]
