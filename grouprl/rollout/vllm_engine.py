@@ -54,6 +54,7 @@ from grouprl.rollout.hf_engine import _eos_token_ids
 from grouprl.rollout.vllm_capabilities import (
     load_weights,
     platform_name,
+    reset_caches_after_update,
     sleep_mode_available,
     vllm_model,
     vllm_version,
@@ -552,7 +553,8 @@ class VLLMEngine(RolloutEngine):
         ``named_tensors`` are the policy's ``(name, whole tensor)`` pairs (the trainer's
         ``full_named_parameters``; a collective under FSDP, consumed to the end here).
         LoRA adapters are merged on the way (``named_weights_for_sync``). The prefix
-        cache is reset: its KV blocks were computed with the old weights.
+        cache and the encoder cache are reset: their KV blocks and image embeddings were computed
+        with the old weights.
         """
         from grouprl.models.weight_sync import named_weights_for_sync
 
@@ -576,7 +578,7 @@ class VLLMEngine(RolloutEngine):
                     raise RuntimeError(f"after a level-2 sleep {len(stale)} vLLM parameter(s) were not reloaded "
                                        f"(e.g. {stale[:3]}); their memory holds garbage. Use sleep_level=1")
             self._weights_discarded = False
-        self.llm.reset_prefix_cache()
+        reset_caches_after_update(self.llm)
 
     def sleep(self) -> None:
         """Free vLLM's GPU memory (weights to host at level 1, KV cache dropped) while the trainer updates."""

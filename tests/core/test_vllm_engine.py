@@ -339,13 +339,14 @@ def test_vllm_model_path_lookup():
 
 
 class Recorder:
-    """Stands in for vllm.LLM's sleep / wake_up / reset_prefix_cache only: records the order of calls."""
+    """Stands in for vllm.LLM's sleep / wake_up / cache resets only: records the order of calls."""
 
     def __init__(self, model):
         self.calls = []
         runner = SimpleNamespace(model=model)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))),
+            reset_encoder_cache=lambda: self.calls.append(("reset_encoder_cache",)))
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -363,6 +364,7 @@ def bare_engine(policy, processor, sleep_level=1):
     engine.model, engine.processor = policy, processor
     engine.enable_sleep_mode, engine.sleep_level = True, sleep_level
     engine._asleep, engine._weights_discarded = set(), False
+    engine.weight_sync_path = "load_weights"  # what a CUDA vLLM gets
     return engine
 
 
@@ -392,7 +394,7 @@ def test_update_weights_wakes_the_weights_sends_checkpoint_names_and_resets_the_
     engine.update_weights(full_named_parameters(policy))
     engine.wake_up()
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reset_prefix_cache",),
-                                ("wake_up", ("kv_cache",))]
+                                ("reset_encoder_cache",), ("wake_up", ("kv_cache",))]
     on_disk = load_file(str(paths["vlm"] / "model.safetensors"))
     assert set(received) == set(on_disk)  # checkpoint names, LoRA merged, nothing else
     expected = dict(named_weights_for_sync(policy))

