@@ -166,7 +166,7 @@ def test_pushed_weights_are_what_vllm_samples_from(text, device):
     before = sample(engine, text_samples(), seed=3)
     perturb(model, seed=0)
     # the old weights now score the old samples differently: the check below can tell them apart
-    assert gap(model, before)[1] > 20 * device.mean_atol
+    assert gap(model, before)[1] > 5 * device.mean_atol
     engine.update_weights(model.named_parameters())
     after = sample(engine, text_samples(), seed=3)
     assert_same_policy(model, after, device, "after the update")
