@@ -51,27 +51,23 @@ def read_tests(path: Path) -> dict | None:
     return {"counts": counts, "cases": cases}
 
 
-def read_benchmarks(out: Path) -> dict | None:
-    reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_*.json"))]
-    if not reports:
-        return None
-    merged = {"machine": reports[0].get("machine"), "shapes": {}}
-    for report in reports:
-        merged["shapes"].update(report.get("shapes", {}))
-    return merged
-
-
-def bench_table(report: dict) -> str:
+def read_benchmarks(out: Path) -> tuple[dict | None, str | None]:
+    """``bench_gpu.py --merge`` over every ``bench_*.json``: the merged report (ratios to TRL recomputed
+    across files) and its table; also written to ``OUT_DIR/bench.json``."""
+    paths = sorted(str(p) for p in out.glob("bench_*.json"))
+    if not paths:
+        return None, None
     sys.path.insert(0, str(HERE))
     import bench_gpu
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        bench_gpu.print_table(report)
-    return buffer.getvalue().strip("\n")
+        bench_gpu.merge_reports(paths, str(out / "bench.json"))
+    table = "\n".join(line for line in buffer.getvalue().strip("\n").splitlines() if not line.startswith("[bench]"))
+    return json.loads((out / "bench.json").read_text()), table
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, table: str | None) -> str:
     lines = [f"# GPU check ({result['mode']})", "", f"GPU: {result['gpu'] or 'unknown'}", ""]
     machine = (result.get("benchmarks") or {}).get("machine") or {}
     if machine:
@@ -92,7 +88,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {case['name']} | {case['outcome']}{note} | {case['seconds']} |")
     lines += ["", "## Throughput and memory (benchmarks/bench_gpu.py)", ""]
     if result.get("benchmarks"):
-        lines += ["```", bench_table(result["benchmarks"]), "```"]
+        lines += ["```", table, "```"]
     else:
         lines.append("no report (the stages did not run or did not finish)")
     return "\n".join(lines) + "\n"
@@ -105,10 +101,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = args.out
     gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").exists() else None
+    benchmarks, table = read_benchmarks(out)
     result = {"mode": args.mode, "gpu": gpu, "stages": read_stages(out / "stages.log"),
-              "tests": read_tests(out / "tests.xml"), "benchmarks": read_benchmarks(out)}
+              "tests": read_tests(out / "tests.xml"), "benchmarks": benchmarks}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
+    text = markdown(result, table)
     (out / "gpu_check.md").write_text(text)
     print(text)
     ok = all(s["rc"] == 0 for s in result["stages"].values()) and result["tests"] is not None \
