@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
 PROMPTS = [  # two per process: each process samples its own
     "Heart size is normal.",
