@@ -11,9 +11,11 @@ variables (RANK / WORLD_SIZE / LOCAL_RANK, exported by the engine), and with
 
 - ``test_fsdp_gathered_weights_reach_each_process_vllm``
   (tests/vllm/distributed/fsdp_weight_sync.py): before the update vLLM's log-probs are the
-  checkpoint's; the policy's shards and a plain copy get the same seeded noise; after the
-  update each process's vLLM log-probs are the plain perturbed copy's (within the device's
-  tolerance) and far from the checkpoint's.
+  checkpoint's; the policy's shards and a plain copy get the same seeded noise; the whole
+  tensors gathered from the shards (the trainer's ``full_named_parameters``, weight_sync's
+  ``gathered_named_parameters``) are the plain copy's; after the update each process's vLLM
+  log-probs are the plain perturbed copy's (within the device's tolerance) and far from the
+  checkpoint's.
 - ``test_two_process_fsdp_training_with_vllm_keeps_sampler_and_trainer_in_step``:
   ``grouprl train`` for 2 steps with ``worker.actor.strategy: fsdp`` and the vllm engine;
   the sampler / trainer mismatch (``mismatch/abs_log_prob_diff``) stays at fp32 round-off in
@@ -87,8 +89,9 @@ def test_fsdp_gathered_weights_reach_each_process_vllm(synced, device):
         # before the update: vLLM samples from the checkpoint
         assert before["max"] <= device.log_prob_atol and before["mean"] <= device.mean_atol, (rank, before)
         # the stream carried every parameter whole, with the perturbed values
-        assert r["streamed"]["count"] == r["streamed"]["params"]
-        assert r["streamed"]["max_abs_diff"] <= 1e-6, (rank, r["streamed"])
+        for stream in ("streamed", "gathered"):  # the trainer's full_named_parameters, weight_sync's gatherer
+            assert r[stream]["count"] == r[stream]["params"], (rank, stream)
+            assert r[stream]["max_abs_diff"] <= 1e-6, (rank, stream, r[stream])
         # the sharded policy computes what the plain perturbed copy computes (the noise went into the shards)
         assert after["fsdp_vs_perturbed"]["max"] <= device.log_prob_atol, (rank, after["fsdp_vs_perturbed"])
         # after the update: vLLM's log-probs are the perturbed policy's ...

@@ -47,6 +47,7 @@ def main() -> None:
 
     from grouprl.config import config_from_dict
     from grouprl.data.sample import Sample
+    from grouprl.models.weight_sync import gathered_named_parameters
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.logprobs import compute_log_probs
     from grouprl.rollout.vllm_engine import VLLMEngine
@@ -118,6 +119,11 @@ def main() -> None:
 
     engine.update_weights(watched(full_named_parameters(policy.model)))
     result["streamed"] = {"count": len(streamed), "params": len(plain), "max_abs_diff": max(streamed.values())}
+    # weight_sync's own gatherer (named_weights_for_sync's default source) gives the same whole tensors
+    streamed.clear()
+    for _ in watched(gathered_named_parameters(policy.model)):
+        pass
+    result["gathered"] = {"count": len(streamed), "params": len(plain), "max_abs_diff": max(streamed.values())}
 
     after = engine.generate(samples, params)
     vllm_after = after.rollout_log_probs
