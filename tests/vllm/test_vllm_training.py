@@ -247,7 +247,7 @@ def eos_prone_model(src: Path, dst: Path, probability: float = 0.3) -> Path:
     bias = math.log(probability / (1 - probability) * (embedding.shape[0] - 1))
     ids = tokenizer(["What is 1 plus 2? Answer as", "What is 4 plus 3?"], return_tensors="pt", padding=True)
     with torch.no_grad():
-        embedding[:, 0] += 0.5
+        embedding[:, 0] += 2.0  # dominates the residual stream's coordinate 0 (other entries are ~0.02)
         hidden = model(**ids, output_hidden_states=True).hidden_states[-1][..., 0][ids["attention_mask"].bool()]
         embedding[eos, 0] += bias / float(hidden.mean())
     model.save_pretrained(dst)
@@ -292,8 +292,11 @@ def test_guided_dialogues_continue_from_token_ids_and_vllm_scores_every_turn_as_
     from grouprl.trainer.grpo import GRPOTrainer
 
     config = arithmetic.config(tmp_path / "run", reward, **vllm_overrides(
-        device, **{"data.max_response_length": 5, "data.rollout_batch_size": 2, "worker.actor.global_batch_size": 2,
+        device, **{"data.max_response_length": 8, "data.rollout_batch_size": 2, "worker.actor.global_batch_size": 2,
                    "worker.rollout.n": 2, "trainer.max_steps": 2,
+                   # small enough steps that the updated model still ends turns: step 2's dialogues, sampled
+                   # after the sync, go past their first turn too
+                   "worker.actor.optim.lr": 2e-4,
                    "worker.rollout.verifier": {"enable": True, "backend": "rule", "max_turns": 3}}))
     trainer = GRPOTrainer(config_from_dict(config))
     try:
@@ -318,7 +321,8 @@ def test_guided_dialogues_continue_from_token_ids_and_vllm_scores_every_turn_as_
         assert_in_step(m["step"], m, device)  # every policy turn, every step (the second after a sync)
         assert m["verifier/failures"] == 0
     assert metrics[0]["actor/grad_norm"] > 0  # step 2 was sampled after a sync of changed weights
-    assert max(t for b in batches for t in b.extras["num_turns"]) >= 2, "no dialogue went past its first turn"
+    for step, batch in enumerate(batches, start=1):
+        assert max(batch.extras["num_turns"]) >= 2, f"step {step}: no dialogue went past its first turn"
 
     for step, (batch, calls) in enumerate(zip(batches, spy.rollouts), start=1):
         turns = batch.extras["num_turns"]
