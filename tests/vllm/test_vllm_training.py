@@ -151,11 +151,20 @@ def test_train_through_the_cli_samples_from_the_trained_weights_at_every_step(ta
 # ---------------------------------------------------------------------------- 2. one_step_off
 
 
+WAIT = 60  # seconds: only reached when the rollout ahead does not overlap the update (the test then fails)
+
+
 class WeightVersions:
     """Wraps a trainer's engine: every set of weights synced into vLLM (version 0: what it loaded), and each
-    generated batch with the version vLLM held when it sampled it."""
+    generated batch with the version vLLM held when it sampled it.
 
-    def __init__(self, trainer):
+    With ``updates`` (an UpdateWatch) a rollout in the rollout thread, the one for step j + 1, begins
+    only once step j's optimizer step has: sampling then overlaps the update and the weight sync
+    that follows it, and a sync that does not wait for the sampler shows as a batch sampled from
+    other weights than the ones recorded for it.
+    """
+
+    def __init__(self, trainer, updates=None):
         from grouprl.trainer.parallel import full_named_parameters
 
         # the engine loaded the checkpoint and got the untrained policy's weights when the trainer was built
@@ -169,7 +178,13 @@ class WeightVersions:
             self.versions.append(dict(tensors))
             return update(iter(tensors))
 
+        ahead = []
+
         def recording_generate(samples, params, **kwargs):
+            if updates is not None and threading.current_thread().name.startswith("grouprl-rollout"):
+                ahead.append(1)
+                assert updates.wait_for(len(ahead), WAIT), \
+                    f"the rollout for step {len(ahead) + 1} finished before step {len(ahead)}'s update began"
             version = len(self.versions) - 1
             batch = generate(samples, params, **kwargs)
             self.batches.append((version, batch, threading.current_thread().name))
@@ -185,7 +200,8 @@ class WeightVersions:
                 param.copy_(weights[name])
 
 
-def test_one_step_off_samples_each_batch_from_the_weights_vllm_held(task, reward, device, tmp_path, read_jsonl):
+def test_one_step_off_samples_each_batch_from_the_weights_vllm_held(task, reward, device, tmp_path, read_jsonl,
+                                                                     watch_updates):
     from grouprl.config import config_from_dict
     from grouprl.rollout.engine import SamplingParams
     from grouprl.trainer.grpo import GRPOTrainer
@@ -194,7 +210,7 @@ def test_one_step_off_samples_each_batch_from_the_weights_vllm_held(task, reward
         device, **{"trainer.async_mode": "one_step_off"}))))
     try:
         assert trainer.correct_rollout  # the sampler's log-probs are compared with the trainer's
-        record = WeightVersions(trainer)
+        record = WeightVersions(trainer, watch_updates(trainer))  # one optimizer step per training step here
         trainer.train()
         metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
         assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
