@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR            # everything (about an hour on one H100)
 #   bash benchmarks/gpu_check.sh OUT_DIR --quick    # the tests, then shorter benchmark runs
 #   GPU_CHECK_BUDGET_S=540 bash benchmarks/gpu_check.sh OUT_DIR --quick   # every stage cut to fit 540 s in all
+#   GPU_CHECK_STAGES="tests bench_3b_vllm" bash benchmarks/gpu_check.sh OUT_DIR --quick   # only these stages
 #
 # Needs: one CUDA GPU; python3 with torch, transformers, peft, accelerate; vLLM (and TRL for its runs)
 # importable; grouprl installed from this checkout (pip install --no-deps -e .). On a machine without
@@ -29,6 +30,8 @@ status=0
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-86400}))
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit (cut to the budget), log to OUT_DIR/NAME.log
   local name=$1 limit=$2; shift 2
+  # GPU_CHECK_STAGES="tests bench_3b_vllm": only the stages named
+  if [[ -n "${GPU_CHECK_STAGES:-}" && " $GPU_CHECK_STAGES " != *" $name "* ]]; then return; fi
   local left=$((deadline - SECONDS - 15))
   (( left < limit )) && limit=$left
   if (( limit < 30 )); then
@@ -47,7 +50,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit (cut to the bu
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
 
 if [[ "$mode" == "--quick" ]]; then
-  stage tests 330 python3 -m pytest -q -p no:cacheprovider tests/real_vllm --junitxml="$out/tests.xml" --timeout 150
+  stage tests 210 python3 -m pytest -q -p no:cacheprovider tests/real_vllm --junitxml="$out/tests.xml" --timeout 150
   # one run per stage, so that a run cut short by the budget loses only itself
   quick="--steps 2 --prompts 8 --n 4 --max-new-tokens 128 --workdir /tmp/gpu_check"
   stage bench_text_vllm 200 python3 benchmarks/bench_gpu.py --shape text-0.5b --engines vllm $quick \

@@ -74,6 +74,10 @@ class Device:
         return torch.float32 if self.dtype == "float32" else torch.bfloat16
 
 
+def cuda_device() -> Device:
+    return Device("cuda", "bfloat16", enforce_eager=False, sleep_levels=(1, 2), log_prob_atol=0.25, mean_atol=0.02)
+
+
 @pytest.fixture(scope="session")
 def device() -> Device:
     if DEVICE == "cuda":
@@ -81,8 +85,7 @@ def device() -> Device:
 
         if not torch.cuda.is_available():
             pytest.skip("GROUPRL_VLLM_DEVICE=cuda but torch sees no CUDA device")
-        return Device("cuda", "bfloat16", enforce_eager=False, sleep_levels=(1, 2), log_prob_atol=0.25,
-                      mean_atol=0.02)
+        return cuda_device()
     if DEVICE != "cpu":
         raise ValueError(f"GROUPRL_VLLM_DEVICE must be cpu or cuda, got {DEVICE!r}")
     return Device("cpu", "float32", enforce_eager=True, sleep_levels=(), log_prob_atol=1e-4, mean_atol=1e-5)

@@ -10,7 +10,7 @@ variables (RANK / WORLD_SIZE / LOCAL_RANK, exported by the engine), and with
 ``tensor_parallel_size=1`` each process's engine is its own, sampling its own prompts.
 
 - ``test_fsdp_gathered_weights_reach_each_process_vllm``
-  (tests/vllm/distributed/fsdp_weight_sync.py): before the update vLLM's log-probs are the
+  (tests/real_vllm/distributed/fsdp_weight_sync.py): before the update vLLM's log-probs are the
   checkpoint's; the policy's shards and a plain copy get the same seeded noise; the whole
   tensors gathered from the shards (the trainer's ``full_named_parameters``, weight_sync's
   ``gathered_named_parameters``) are the plain copy's; after the update each process's vLLM
@@ -46,7 +46,7 @@ HERE = Path(__file__).parent
 SCRIPT = HERE / "distributed" / "fsdp_weight_sync.py"
 
 # A real vLLM, found without importing it. Not conftest's HAS_VLLM alone: pytest puts tests/ on
-# sys.path (rootdir conftest, prepend import mode), where this directory, tests/vllm/ without an
+# sys.path (rootdir conftest, prepend import mode), where this directory, tests/real_vllm/ without an
 # __init__.py, is found as a namespace package "vllm" (no origin) when no vLLM is installed.
 _SPEC = importlib.util.find_spec("vllm")
 pytestmark = pytest.mark.skipif(_SPEC is None or _SPEC.origin is None,

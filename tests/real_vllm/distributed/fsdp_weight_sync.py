@@ -8,9 +8,9 @@ prompts, scores vLLM's samples with a plain (unsharded) copy of the checkpoint, 
 perturbs the sharded policy and the plain copy by the same seeded noise, streams the
 policy's gathered weights into vLLM (``engine.update_weights(full_named_parameters(model))``,
 the trainer's call) and samples again. The script only measures; it writes what it
-saw to ``<out>/rank<r>.json`` and tests/vllm/test_vllm_distributed.py judges it.
+saw to ``<out>/rank<r>.json`` and tests/real_vllm/test_vllm_distributed.py judges it.
 
-    torchrun --nproc_per_node 2 tests/vllm/distributed/fsdp_weight_sync.py MODEL_DIR OUT_DIR DTYPE ENFORCE_EAGER
+    torchrun --nproc_per_node 2 tests/real_vllm/distributed/fsdp_weight_sync.py MODEL_DIR OUT_DIR DTYPE ENFORCE_EAGER
 """
 
 from __future__ import annotations
