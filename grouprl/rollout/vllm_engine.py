@@ -441,7 +441,12 @@ class VLLMEngine(RolloutEngine):
         require_vllm()
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # Distributed means several training processes. A process group of one is not: vLLM starts
+        # one itself in a single-process run, so a second engine in the same process (tests,
+        # notebooks) would otherwise take the launcher path and export RANK/WORLD_SIZE, after which
+        # Accelerate in that process took itself for a torchrun worker (MASTER_ADDR not set).
+        distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                       and torch.distributed.get_world_size() > 1)
         rank = torch.distributed.get_rank() if distributed else 0
         max_model_len = (max_prompt_length or 0) + max_response_length
         if max_model_len <= max_response_length:
