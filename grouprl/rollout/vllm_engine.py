@@ -127,6 +127,7 @@ def vllm_llm_kwargs(
     enable_sleep_mode: bool,
     limit_images: int,
     seed: int,
+    takes_video: bool = False,
     trust_remote_code: bool,
     distributed: bool,
 ) -> dict[str, Any]:
@@ -166,6 +167,10 @@ def vllm_llm_kwargs(
     )
     if limit_images:
         kwargs["limit_mm_per_prompt"] = {"image": limit_images}
+        if takes_video:
+            # grouprl never sends videos: no video slot to profile or reserve memory for (vLLM 0.24
+            # with transformers 5.24 failed its start-up profiling on a dummy video prompt otherwise)
+            kwargs["limit_mm_per_prompt"]["video"] = 0
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
     return kwargs
@@ -478,6 +483,7 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
             enable_sleep_mode=enable_sleep_mode, limit_images=limit_images, seed=seed + rank,
+            takes_video=getattr(config, "video_token_id", None) is not None,
             trust_remote_code=trust_remote_code, distributed=distributed)
         self.llm_kwargs.update(llm_kwargs or {})
         self._asleep: set[str] = set()
