@@ -37,8 +37,10 @@ def vllm_version() -> str:
 
 def platform_name() -> str:
     """vLLM's platform for this process ("cuda", "cpu", ...), as vLLM detected it."""
-    from vllm.platforms import current_platform
-
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "unknown"
     return str(getattr(current_platform, "device_type", None) or type(current_platform).__name__)
 
 

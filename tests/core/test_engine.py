@@ -10,7 +10,7 @@ from PIL import Image
 
 from grouprl.data.sample import Sample
 from grouprl.models.loading import apply_lora, load_model_and_processor
-from grouprl.models.inputs import collate_model_inputs
+from grouprl.models.inputs import collate_model_inputs, forward_kwargs
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import HFGenerationEngine
@@ -183,6 +183,30 @@ def test_log_probs_match_generation(vlm, temperature):
     assert bool((log_probs[real] < 0).all())
     vocab = model.config.text_config.vocab_size
     assert bool((entropy[real] > 0).all()) and bool((entropy[real] <= math.log(vocab) + 1e-4).all())
+
+
+def test_vlm_log_probs_are_of_the_distribution_without_placeholder_tokens(vlm):
+    """Every engine keeps image/video placeholders out of responses (vLLM's log-probs include that), so
+    the trainer scores the same restricted policy: log p(y) - log(1 - sum of the placeholders' p)."""
+    from grouprl.models.inputs import placeholder_token_ids
+
+    model, processor = vlm
+    suppressed = placeholder_token_ids(model)
+    assert len(suppressed) >= 3  # image, video, vision start/end
+    batch = HFGenerationEngine(model, processor).generate(samples()[:1], SamplingParams(n=1, max_new_tokens=6, seed=3))
+    with torch.no_grad():
+        scored = compute_log_probs(model, batch, micro_batch_size=1)[0][0]
+        prompt = batch.prompt_ids[0][batch.prompt_mask[0].bool()]
+        response = batch.response_ids[0][batch.response_mask[0].bool()]
+        ids = torch.cat([prompt, response])[None]
+        # the trainer's own positions (M-RoPE from the image grid), on the full vocabulary
+        kwargs = forward_kwargs(model, ids, torch.ones_like(ids), batch.model_inputs[0])
+        logits = model(**kwargs).logits[0, len(prompt) - 1: -1].float()
+    full = torch.log_softmax(logits, -1)
+    held = full[:, suppressed].exp().sum(-1)  # the placeholders' share, which no sample ever takes
+    expected = full.gather(-1, response[:, None])[:, 0] - torch.log1p(-held)
+    assert bool((held > 1e-4).all())  # a random model gives them real mass: the check can tell
+    assert torch.allclose(scored[: len(response)], expected, atol=1e-5)
 
 
 def test_text_model_log_probs_match_generation(lm):

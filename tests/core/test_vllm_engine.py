@@ -423,3 +423,76 @@ def test_level_two_sleep_requires_a_weight_update_before_generating(paths):
         engine.generate([], SamplingParams())
     with pytest.raises(RuntimeError, match="not reloaded"):
         engine.update_weights(gathered_named_parameters(model))
+
+
+# ---------------------------------------------------------------------------- what the running vLLM can do
+
+
+def fake_llm(model, runner_extra=None):
+    runner = SimpleNamespace(model=model, **(runner_extra or {}))
+    return SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(model_runner=runner))))
+
+
+class FakeOutputLayer(torch.nn.Module):
+    def __init__(self, packed: bool):
+        super().__init__()
+        self.repacked = 0
+        if packed:
+            self.cpu_linear = lambda *args: None
+        self.quant_method = SimpleNamespace(process_weights_after_loading=self._repack)
+
+    def _repack(self, layer):
+        assert layer is self
+        self.repacked += 1
+
+
+class FakeVLLMModel(torch.nn.Module):
+    """vLLM's model shape where it matters here: linear layers packed or not, an output layer inside a
+    language model (as a VLM's), tied embeddings or not."""
+
+    def __init__(self, *, packed: bool, tied: bool):
+        super().__init__()
+        self.config = SimpleNamespace(tie_word_embeddings=tied)
+        self.language_model = torch.nn.Module()
+        self.language_model.lm_head = FakeOutputLayer(packed)
+        self.loaded = []
+
+    def load_weights(self, weights):
+        self.loaded = [name for name, _ in weights]
+        return set(self.loaded)
+
+
+def test_weight_sync_path_is_chosen_by_what_the_loaded_model_is():
+    from grouprl.rollout.vllm_capabilities import load_weights, weight_sync_path
+
+    plain = FakeVLLMModel(packed=False, tied=True)
+    assert weight_sync_path(fake_llm(plain)) == "load_weights"
+    assert load_weights(fake_llm(plain), [("w", torch.zeros(1))]) == {"w"} and plain.loaded == ["w"]
+    assert plain.language_model.lm_head.repacked == 0
+
+    packed = FakeVLLMModel(packed=True, tied=True)
+    reloads = []
+    llm = fake_llm(packed, {"reload_weights": lambda weights_iterator: reloads.append(list(weights_iterator))})
+    assert weight_sync_path(llm) == "reload_weights"
+    assert load_weights(llm, [("w", torch.zeros(1))]) is None
+    assert [name for name, _ in reloads[0]] == ["w"] and packed.loaded == []
+    # the tied output layer inside the language model is repacked from the reloaded embedding
+    assert packed.language_model.lm_head.repacked == 1
+
+    untied = FakeVLLMModel(packed=True, tied=False)
+    load_weights(fake_llm(untied, {"reload_weights": lambda weights_iterator: list(weights_iterator)}), [])
+    assert untied.language_model.lm_head.repacked == 0
+
+    with pytest.raises(RuntimeError, match="no reload_weights"):
+        weight_sync_path(fake_llm(FakeVLLMModel(packed=True, tied=True)))
+
+
+def test_an_update_resets_the_prefix_and_the_encoder_caches():
+    from grouprl.rollout.vllm_capabilities import reset_caches_after_update
+
+    calls = []
+    llm = SimpleNamespace(reset_prefix_cache=lambda: calls.append("prefix"),
+                          llm_engine=SimpleNamespace(reset_encoder_cache=lambda: calls.append("encoder")))
+    reset_caches_after_update(llm)
+    assert calls == ["prefix", "encoder"]
