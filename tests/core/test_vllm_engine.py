@@ -171,6 +171,8 @@ def test_llm_kwargs_and_their_checks():
     many = vllm_llm_kwargs("/m", distributed=True, **{**common, "limit_images": 2})
     assert many["distributed_executor_backend"] == "external_launcher"
     assert many["limit_mm_per_prompt"] == {"image": 2}
+    video_model = vllm_llm_kwargs("/m", distributed=False, **{**common, "limit_images": 2}, takes_video=True)
+    assert video_model["limit_mm_per_prompt"] == {"image": 2, "video": 0}  # grouprl sends no videos
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         vllm_llm_kwargs("/m", distributed=False, **{**common, "tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
