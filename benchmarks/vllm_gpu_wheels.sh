@@ -22,7 +22,8 @@ for tag in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_26
   plat="$plat --platform ${tag}_x86_64"
 done
 target="--only-binary=:all: --python-version 3.12 --implementation cp $plat"
-# vLLM 0.24.0 and what it imports that a CUDA + PyTorch image lacks; TRL, datasets and theirs for the TRL runs
+# vLLM 0.24.0 and what it imports that a CUDA + PyTorch image lacks (pydantic-extra-types: mistral_common, which
+# transformers imports for any processor once it is importable); TRL, datasets and theirs for the TRL runs
 python3 -m pip download -q --no-deps $target -d "$work/wheels" \
   vllm==0.24.0 blake3 cachetools pydantic pydantic-core annotated-types typing-inspection "fastapi<0.137,>=0.133" \
   "starlette>=1.0.1" "openai==2.8.1" distro jiter sniffio prometheus-fastapi-instrumentator "lm-format-enforcer==0.11.3" \
@@ -30,7 +31,7 @@ python3 -m pip download -q --no-deps $target -d "$work/wheels" \
   partial-json-parser jsonschema jsonschema-specifications referencing rpds-py pyzmq msgspec mistral_common pycountry \
   "compressed-tensors==0.17.0" "depyf==0.20.0" astor dill watchfiles python-json-logger pybase64 cbor2 ijson setproctitle \
   openai-harmony gguf mcp httpx-sse pydantic-settings python-dotenv sse-starlette python-multipart anthropic \
-  docstring-parser "trl==1.16.*" datasets multiprocess
+  docstring-parser pydantic-extra-types "trl==1.16.*" datasets multiprocess
 python3 -m pip install -q --no-deps --no-compile $target --target "$work/site" "$work"/wheels/*.whl
 tar cf - -C "$work/site" . | xz -9e -T0 >"$work/site.tar.xz"
 split -b 58m -d "$work/site.tar.xz" "$out/site."
