@@ -23,6 +23,7 @@ Plug in a new one with ``register_advantage_estimator``, ``register_policy_loss`
 
 from grouprl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    GROUP_RELATIVE_ESTIMATORS,
     compute_advantages,
     dense_group_index,
     group_statistics,
@@ -47,6 +48,7 @@ from grouprl.algorithms.rollout_correction import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "GROUP_RELATIVE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

@@ -36,14 +36,24 @@ AdvantageEstimator = Callable[..., Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", error=ValueError)
 
 
+# Estimators whose baseline is the rest of the group: with one response per prompt every
+# advantage is 0 and nothing trains, so a config with worker.rollout.n < 2 is refused for them.
+GROUP_RELATIVE_ESTIMATORS: set[str] = set()
+
+
 def register_advantage_estimator(
-    name: str, *, overwrite: bool = False
+    name: str, *, overwrite: bool = False, group_relative: bool = False
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator adding ``fn(scores, group_index, *, **options) -> Tensor`` to ``ADVANTAGE_ESTIMATORS``.
 
     Declare a keyword parameter ``response_mask`` to receive the [B, R] mask and return
-    per-token advantages; otherwise return one advantage per row ([B]).
+    per-token advantages; otherwise return one advantage per row ([B]). ``group_relative``:
+    the estimator needs at least two responses per prompt (``GROUP_RELATIVE_ESTIMATORS``).
     """
+    if group_relative:
+        GROUP_RELATIVE_ESTIMATORS.add(name)
+    else:
+        GROUP_RELATIVE_ESTIMATORS.discard(name)
     return ADVANTAGE_ESTIMATORS.register(name, overwrite=overwrite)
 
 
@@ -188,7 +198,7 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", group_relative=True)
 def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO: A_i = (R_i - mean_g) / (std_g + eps); with ``norm_by_std=False`` (Dr. GRPO) A_i = R_i - mean_g.
 
@@ -204,7 +214,7 @@ def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = Tru
     return centred.to(dtype)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", group_relative=True)
 def rloo_advantages(scores: Tensor, group_index: Any) -> Tensor:
     """RLOO: A_i = R_i - sum_{j in g, j != i} R_j / (n_g - 1) = n_g / (n_g - 1) * (R_i - mean_g).
 
@@ -227,7 +237,7 @@ def remax_advantages(scores: Tensor, group_index: Any, *, baseline_scores: Tenso
     return (scores.to(torch.float64) - baseline_scores.to(torch.float64)).to(_result_dtype(scores))
 
 
-@register_advantage_estimator("grpo_passk")
+@register_advantage_estimator("grpo_passk", group_relative=True)
 def grpo_passk_advantages(
     scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
@@ -315,7 +325,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, valid, eps).to(_result_dtype(scores))
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", group_relative=True)
 def reinforce_plus_plus_baseline_advantages(
     scores: Tensor, group_index: Any, *, response_mask: Tensor, eps: float = 1e-6
 ) -> Tensor:

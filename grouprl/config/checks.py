@@ -36,6 +36,10 @@ def validate(config: Config) -> None:
     _check_name("worker.rollout.engine", rollout.engine, ROLLOUT_ENGINES)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
+    if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:
+        raise ConfigError(f"config key 'worker.rollout.n' is {rollout.n}, but algorithm.adv_estimator "
+                          f"'{algo.adv_estimator}' compares each response with the others of its group: with one "
+                          "response per prompt every advantage is 0 and nothing trains; set n >= 2")
     if rollout.temperature <= 0:
         # the loss scores sampled tokens at the sampling temperature; greedy rollouts have none
         # (and give every response of a group the same text, so no group-relative signal)

@@ -86,3 +86,14 @@ def test_secrets_never_reach_the_saved_config(tmp_path):
     assert "sk-very-secret" not in (tmp_path / "config.yaml").read_text()
     assert redacted(config)["worker"]["rollout"]["verifier"]["api_key"] is None
     assert config.worker.rollout.verifier.api_key == "sk-very-secret"  # the run itself still has it
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"])
+def test_a_group_of_one_is_refused_for_group_relative_estimators(tmp_path, estimator):
+    """n=1 with an estimator whose baseline is the group: every advantage 0, a run that trains nothing."""
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  rollout:\n    n: 1\n")
+    with pytest.raises(ConfigError, match=r"'worker.rollout.n' is 1.*" + estimator):
+        load_config(path, [f"algorithm.adv_estimator={estimator}"])
+    # estimators with a baseline of their own take one response per prompt
+    assert load_config(path, ["algorithm.adv_estimator=reinforce_plus_plus"]).worker.rollout.n == 1
