@@ -704,3 +704,24 @@ def test_stopping_does_not_wait_for_a_stuck_request(pool_server):
     assert proc.wait(timeout=60) == 0
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_every_hypothesis_failing_its_format_is_warned_in_the_response_and_the_log(caplog):
+    """A request without "type" is "short" (EditGRPO's default): plain reports then score as empty
+    reports. The server keeps the seed's rule but says so, in the response and in one log line."""
+    length = Component("c_len", lambda hyps, refs: [float(len(h)) for h in hyps], "test=len")
+    plain = ["No pleural effusion.", "Heart size is normal."]
+    boxed = ["Report: \\boxed{No pleural effusion.}", "Heart size is normal."]
+
+    def score(hyps, type_):
+        request = server.PredictRequest(hyps, ["x", "y"], type_, ["c_len"], False)
+        return server.score_predict(request, components={"c_len": length},
+                                    extract=server._default_extract)
+
+    with caplog.at_level("WARNING", logger=server.logger.name):
+        data = score(plain, "short")
+    assert data["predictions"]["c_len"] == [0.0, 0.0]  # scored as empty reports: the seed's rule, kept
+    assert len(data["warnings"]) == 1 and "free_form" in data["warnings"][0] and "'short'" in data["warnings"][0]
+    assert sum("has the 'short' format" in r.getMessage() for r in caplog.records) == 1
+    assert "warnings" not in score(plain, "free_form")
+    assert "warnings" not in score(boxed, "short")  # one report has the format: nothing to warn of

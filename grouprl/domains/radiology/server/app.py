@@ -395,9 +395,17 @@ def score_predict(request: PredictRequest, *, components: Mapping[str, Any], ext
     backends = {name: components[name].backend for name in values}
     if FORMAT in request.components:
         backends[FORMAT] = f"rules(type={request.type})"
-    return {"predictions": predictions, "backends": backends, "type": request.type,
+    data = {"predictions": predictions, "backends": backends, "type": request.type,
             "components": list(request.components), "weights": used,
             "truncated": {"max_chars": max_chars, "hyps": cut_hyps, "refs": cut_refs}}
+    if n and request.type != "free_form" and not any(ok):
+        # The seed's trap: a request without "type" is "short", and a plain report then has no
+        # boxed report to score, so every content score is that of an empty report.
+        warning = (f"none of the {n} hypotheses has the '{request.type}' format, so each was scored as an empty "
+                   "report (EditGRPO's rule); for plain reports send \"type\": \"free_form\"")
+        logger.warning("/predict: %s", warning)
+        data["warnings"] = [warning]
+    return data
 
 
 def _call_component(component, hyps: list[str], refs: list[str]) -> list[float]:
