@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -292,3 +293,15 @@ def test_tasks_other_than_report(tmp_path):
         evaluate_file(data, tmp_path / "o", task="grounding", components=["bleu1"])
     summary = evaluate_file(data, tmp_path / "o", task="classification", bootstrap=10)
     assert summary["task"] == "classification" and summary["components"] == ["set_f1", "exact_match"]
+
+
+def test_all_empty_responses_are_warned(components, tmp_path):
+    """A predictions file whose responses are all empty scores 0 everywhere: said, not only tabled."""
+    records = [{"id": str(i), "response": " ", "answer": "No effusion."} for i in range(3)]
+    data = write_json(tmp_path / "preds.json", records)
+    with pytest.warns(evaluation.EvaluationWarning, match="every response .* is empty"):
+        evaluate_file(data, tmp_path / "eval", components=["e_exact"], bootstrap=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", evaluation.EvaluationWarning)  # one real response: no warning
+        evaluate_file(write_json(tmp_path / "p2.json", [*records, {"id": "x", "response": "a", "answer": "a"}]),
+                      tmp_path / "eval2", components=["e_exact"], bootstrap=0)

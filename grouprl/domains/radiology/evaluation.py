@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,10 @@ class EvalDataError(ValueError):
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+class EvaluationWarning(UserWarning):
+    """An evaluation that ran but whose numbers say little (every response empty)."""
 
 
 def read_predictions(path: str | os.PathLike, *, keep: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -325,6 +330,12 @@ def evaluate_file(
     if clean:
         hyps, refs = clean_texts(hyps), clean_texts(refs)
 
+    empty = sum(1 for h in hyps if not str(h).strip())
+    if records and empty == len(records):
+        # every metric of an empty report is 0 (or undefined): a table of zeros that looks like a result
+        warnings.warn(f"every response in {data} is empty ({empty} of {len(records)}): the scores below are those "
+                      "of empty reports; check the predictions file's 'response' field", EvaluationWarning,
+                      stacklevel=2)
     say(f"scoring {len(records)} reports with {', '.join(names)}")
     scores, backends = score_samples(hyps, refs, names)
     metrics: list[Metric] = []
