@@ -107,6 +107,21 @@ def _create_beside(path: Path) -> tuple[int, Path]:
     raise FileExistsError(f"no free temporary name beside {path}")
 
 
+def follow_umask(root: str | os.PathLike) -> None:
+    """Give every file under ``root`` mode 0666 and every directory 0777, less the umask, as ``open`` would.
+
+    Some writers make private files whatever the umask (safetensors' ``save_file`` writes 0600),
+    so a checkpoint or an exported model on a shared cluster would be unreadable to the team.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8, as given) to ``path`` atomically and durably; see :class:`AtomicFile`."""
     with AtomicFile(path, "w") as fh:

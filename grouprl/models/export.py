@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+from grouprl.files import follow_umask
+
 
 def save_merged(model, processor, out_dir: str | Path, *, state_dict: dict | None = None) -> Path:
     """Save ``model`` (a PeftModel is merged first) and its processor to ``out_dir`` atomically.
@@ -25,6 +27,7 @@ def save_merged(model, processor, out_dir: str | Path, *, state_dict: dict | Non
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if processor is not None:
         processor.save_pretrained(tmp)
+    follow_umask(tmp)  # safetensors writes 0600 files
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from grouprl.config import ConfigError
-from grouprl.files import fsync_dir, write_text_atomic
+from grouprl.files import follow_umask, fsync_dir, write_text_atomic
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # hidden copies of a step: being written (tmp), moved aside by a re-save (old), being pruned (del)
@@ -593,6 +593,7 @@ def save_checkpoint(
     tmp = root / f".global_step_{state.global_step}.tmp"
     aside = root / f".global_step_{state.global_step}.old"
     _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+    follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
     # a re-saved step is moved aside, not deleted: between the two renames it still exists
     replacing = final.exists()
     if replacing:
