@@ -171,8 +171,8 @@ def vllm_llm_kwargs(
     if limit_images:
         kwargs["limit_mm_per_prompt"] = {"image": limit_images}
         if takes_video:
-            # grouprl never sends videos: no video slot to profile or reserve memory for (vLLM 0.24
-            # with transformers 5.24 failed its start-up profiling on a dummy video prompt otherwise)
+            # grouprl never sends videos: vLLM need not profile a video prompt at start-up or
+            # reserve encoder memory for one
             kwargs["limit_mm_per_prompt"]["video"] = 0
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
