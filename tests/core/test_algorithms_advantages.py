@@ -249,3 +249,31 @@ def test_trainer_passes_the_configured_std_level():
           compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))
     close(advantages("algorithm.norm_adv_by_std_in_grpo=false"), [1 / 3, -2 / 3, -1.0, 1 / 3, 1.0, 0.0])
     close(advantages(), compute_advantages("grpo", SCORES, GROUPS))
+
+
+def _batch_std_on_rank(rank, port, shards, out):
+    from types import SimpleNamespace
+
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2, device=torch.device("cpu")))
+        out[rank] = GRPOTrainer._batch_std(trainer, torch.tensor(shards[rank]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_batch_std_spans_every_process():
+    # scale_rewards=batch in TRL takes the std over the gathered batch; so does grouprl across processes
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shards = [[1.0, 0.0, 0.0], [1.0, 2.0, 5.0]]
+    out = mp.Manager().dict()
+    mp.spawn(_batch_std_on_rank, args=(port, shards, out), nprocs=2, join=True)
+    assert out[0] == out[1] == pytest.approx(math.sqrt(3.5), abs=1e-12)  # SCORES' batch std, by hand above
