@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from grouprl.config.schema import ConfigError
 
@@ -183,10 +185,8 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("data.mini_rollout_batch_size", "prompts per generation round (verl's gen_batch_size)",
           "grouprl generates data.rollout_batch_size prompts per round", quiet_when=lambda v: v is None),
     _note("data.video_key", "record field with videos", "grouprl reads images only (data.image_key)",
-          # a record with videos would train without them: refused when there is one (at data loading)
-          quiet_when=lambda v: True),
-    _note("data.video_fps", "frames per second sampled from videos", "grouprl reads images only",
-          quiet_when=lambda v: True),
+          ),
+    _note("data.video_fps", "frames per second sampled from videos", "grouprl reads images only"),
     # A prompt template or chat template changes every prompt the policy sees: refused, not noted.
     _note("data.format_prompt", "a Jinja template each prompt is rendered through",
           "no template", refuse=_nonempty("grouprl has no prompt templates; write the instruction into the "
@@ -203,8 +203,8 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("algorithm.kl_type", "fixed or adaptive KL controller", "a fixed algorithm.kl_coef",
           refuse=lambda v, _: None if v == "fixed" else "grouprl has only a fixed KL coefficient (algorithm.kl_coef)",
           quiet_when=lambda v: v == "fixed"),
-    _note("algorithm.kl_horizon", "adaptive KL controller", "unused (a fixed KL coefficient)", quiet_when=lambda v: True),
-    _note("algorithm.kl_target", "adaptive KL controller", "unused (a fixed KL coefficient)", quiet_when=lambda v: True),
+    _note("algorithm.kl_horizon", "adaptive KL controller", "unused (a fixed KL coefficient)"),
+    _note("algorithm.kl_target", "adaptive KL controller", "unused (a fixed KL coefficient)"),
     # EasyR1 keeps a group when filter_low < mean(filter_key) < filter_high; for rewards in {0, 1} that
     # is grouprl's rule (drop groups of equal rewards). Noted, not refused, when filtering is off.
     _note("algorithm.filter_key", "reward component whose group mean online filtering reads",
@@ -346,7 +346,7 @@ def port_values(values: dict, *, warn: bool = True) -> dict:
     grouprl key is set too, differently.
     """
     ported, notes = port_values_with_notes(values)
-    if warn:
+    if warn and os.environ.get("RANK", "0") == "0":  # once per run, not once per process (torchrun sets RANK)
         for note in notes:
             logger.warning("grouprl: %s", note)
     return ported
