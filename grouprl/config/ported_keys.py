@@ -24,8 +24,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from grouprl.config.schema import ConfigError
