@@ -198,19 +198,39 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-@register_advantage_estimator("grpo", group_relative=True)
-def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO: A_i = (R_i - mean_g) / (std_g + eps); with ``norm_by_std=False`` (Dr. GRPO) A_i = R_i - mean_g.
+STD_LEVELS = ("group", "batch", "none")
 
-    A group of size 1 gets A_i = 0: its mean is its own score and its std is taken as 1
-    (so that 0 stays 0 even with eps = 0). A group of equal scores gets exactly 0.
-    Dr. GRPO pairs ``norm_by_std=False`` with loss_agg_mode ``seq-mean-token-sum-norm``.
+
+@register_advantage_estimator("grpo", group_relative=True)
+def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = True, std_level: str | None = None,
+                    batch_std: float | None = None, eps: float = 1e-6) -> Tensor:
+    """GRPO: A_i = (R_i - mean_g) / (s + eps), the scale s chosen by ``std_level``.
+
+    - ``group`` (GRPO; TRL's ``scale_rewards="group"``): s = std_g, the unbiased std of the
+      row's group (a group of size 1 gets A_i = 0: its std is taken as 1, so 0 stays 0);
+    - ``batch`` (TRL's ``scale_rewards="batch"``): s = std_B, the unbiased std of the raw
+      rewards over the whole batch, sqrt(sum_i (R_i - mean_B)^2 / (N - 1)), one number for
+      every row (taken as 1 for N < 2); ``batch_std`` gives it when the batch spans more rows
+      than these (the trainer's processes together), else it is computed from ``scores``;
+    - ``none`` (Dr. GRPO; ``scale_rewards="none"``): A_i = R_i - mean_g.
+
+    ``std_level`` None reads the older ``norm_by_std``: True is ``group``, False ``none``.
+    A group of equal scores gets exactly 0 at every level.
+    Dr. GRPO pairs ``none`` with loss_agg_mode ``seq-mean-token-sum-norm``.
     """
+    level = std_level if std_level is not None else ("group" if norm_by_std else "none")
+    if level not in STD_LEVELS:
+        raise ValueError(f"std_level={level!r} is not one of {', '.join(STD_LEVELS)}")
     x, dense, dtype = _prepare(scores, group_index)
     mean, std, count = _group_moments(x, dense)
     centred = x - mean
-    if norm_by_std:
+    if level == "group":
         centred = centred / (torch.where(count > 1, std, torch.ones_like(std)) + eps)
+    elif level == "batch":
+        if batch_std is None:
+            n = x.numel()
+            batch_std = float(x.std()) if n > 1 else 1.0
+        centred = centred / (batch_std + eps)
     return centred.to(dtype)
 
 

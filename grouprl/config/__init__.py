@@ -7,6 +7,8 @@
 - :mod:`~grouprl.config.load`: YAML files, dotted overrides, building values into the
   schema (unknown keys fail with the closest valid ones) and writing a config back out.
 - :mod:`~grouprl.config.checks`: checks across fields and against the registries.
+- :mod:`~grouprl.config.ported_keys`: EasyR1's keys that grouprl's schema lacks, one table:
+  each mapped onto grouprl's key, accepted with a one-line note, or refused with the reason.
 
 Everything is importable from ``grouprl.config`` itself. ``write_text_atomic`` is
 :func:`grouprl.files.write_text_atomic`, kept here for the modules that import it from

@@ -34,6 +34,12 @@ def validate(config: Config) -> None:
     _check_name("algorithm.loss_agg_mode", algo.loss_agg_mode, algorithms.LOSS_AGG_MODES)
     _check_name("algorithm.kl_penalty", algo.kl_penalty, algorithms.KL_ESTIMATORS)
     _check_name("worker.rollout.engine", rollout.engine, ROLLOUT_ENGINES)
+    if algo.adv_std_level in ("group", "batch") and not algo.norm_adv_by_std_in_grpo:
+        raise ConfigError(f"config key 'algorithm.adv_std_level' is {algo.adv_std_level} but "
+                          "'algorithm.norm_adv_by_std_in_grpo' is false (no std); set one of them")
+    if algo.adv_std_level == "batch" and algo.adv_estimator != "grpo":
+        raise ConfigError(f"config key 'algorithm.adv_std_level': batch is for adv_estimator grpo; "
+                          f"got {algo.adv_estimator!r}")
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
     if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:

@@ -40,16 +40,38 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 # The schema whose keys an unknown key is compared with: the language trainer's Config, or
 # another root (the flow trainer's) while `build_config` builds one.
 _SCHEMA_ROOT: contextvars.ContextVar[type] = contextvars.ContextVar("grouprl_config_schema_root")
+# The unknown keys met while one config is built: all of them are reported in one error, so a
+# config from elsewhere (EasyR1's) is not fixed one key per run. A bad value met meanwhile is
+# kept (the first is raised once no key is unknown) so that the keys after it are read too.
+_UNKNOWN: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("grouprl_config_unknown", default=None)
+_BAD_VALUES: contextvars.ContextVar[list[ConfigError] | None] = contextvars.ContextVar("grouprl_config_bad",
+                                                                                        default=None)
 
 
-def _unknown_key(key: str) -> ConfigError:
+def _suggestions(key: str) -> list[str]:
     valid = all_keys(_SCHEMA_ROOT.get(Config))
     leaf = key.rsplit(".", 1)[-1]
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     # A right leaf name under the wrong section is the common mistake: suggest by leaf too.
     near += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in near][:3]
-    hint = f"; did you mean {', '.join(near)}?" if near else ""
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    return near
+
+
+def _unknown_key(key: str) -> ConfigError:
+    return _unknown_keys([key])
+
+
+def _unknown_keys(keys: list[str]) -> ConfigError:
+    """One error for every unknown key, each with its closest valid keys (one line)."""
+    if len(keys) == 1:
+        near = _suggestions(keys[0])
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        return ConfigError(f"unknown config key '{keys[0]}'{hint}")
+    parts = []
+    for key in keys:
+        near = _suggestions(key)
+        parts.append(f"'{key}'" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    return ConfigError(f"unknown config keys: {', '.join(parts)}")
 
 
 def _type_name(tp: Any) -> str:
@@ -63,13 +85,19 @@ def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key, choices)
-            except ConfigError as exc:
-                errors.append(str(exc))
+        # each type is tried on its own: its errors (unknown keys included) raise, not collected
+        unknown_token, bad_token = _UNKNOWN.set(None), _BAD_VALUES.set(None)
+        try:
+            for arg in args:
+                if arg is type(None):
+                    continue
+                try:
+                    return _coerce(value, arg, key, choices)
+                except ConfigError as exc:
+                    errors.append(str(exc))
+        finally:
+            _UNKNOWN.reset(unknown_token)
+            _BAD_VALUES.reset(bad_token)
         raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} is not a valid {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -121,11 +149,21 @@ def _build(cls: type, values: dict, prefix: str = ""):
     hints = get_type_hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    unknown = _UNKNOWN.get()
     for key, value in values.items():
         if key not in names:
-            raise _unknown_key(f"{prefix}{key}")
+            if unknown is None:
+                raise _unknown_key(f"{prefix}{key}")
+            unknown.append(f"{prefix}{key}")  # reported with the others once the whole config is read
+            continue
         f = names[key]
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", f.metadata.get("choices"))
+        bad = _BAD_VALUES.get()
+        try:
+            kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", f.metadata.get("choices"))
+        except ConfigError as exc:
+            if bad is None:
+                raise
+            bad.append(exc)  # raised once every key is read, after the unknown ones
     return cls(**kwargs)
 
 
@@ -169,9 +207,19 @@ def merge_values(base: dict, extra: dict) -> dict:
 def build_config(root: type, values: dict):
     """``values`` checked against the dataclass schema ``root`` (types, choices, unknown keys with suggestions)."""
     token = _SCHEMA_ROOT.set(root)
+    unknown: list[str] = []
+    bad: list[ConfigError] = []
+    unknown_token, bad_token = _UNKNOWN.set(unknown), _BAD_VALUES.set(bad)
     try:
-        return _build(root, values or {})
+        built = _build(root, values or {})
+        if unknown:  # the unknown keys first: a bad value may come from a misplaced key
+            raise _unknown_keys(unknown)
+        if bad:
+            raise bad[0]
+        return built
     finally:
+        _UNKNOWN.reset(unknown_token)
+        _BAD_VALUES.reset(bad_token)
         _SCHEMA_ROOT.reset(token)
 
 
@@ -194,7 +242,11 @@ def read_config_values(path: str | os.PathLike | None = None, overrides: list[st
 
 
 def config_from_dict(values: dict) -> Config:
-    config = _build(Config, values or {})
+    """The language trainer's Config from plain values: EasyR1's and the seeds' keys ported
+    (:mod:`grouprl.config.ported_keys`, each noted), then built and validated."""
+    from grouprl.config.ported_keys import port_values
+
+    config = build_config(Config, port_values(values or {}))
     validate(config)
     return config
 

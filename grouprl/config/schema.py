@@ -78,6 +78,10 @@ class RolloutCorrectionConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
+    # What GRPO divides (R - group mean) by: group (the group's reward std, GRPO), batch (the std of
+    # every reward of the step, TRL's scale_rewards: batch), none (Dr. GRPO). None: read from
+    # norm_adv_by_std_in_grpo (EasyR1/verl's key: true = group, false = none).
+    adv_std_level: str | None = field(default=None, metadata=choices("group", "batch", "none"))
     norm_adv_by_std_in_grpo: bool = True
     policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
@@ -96,6 +100,13 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    @property
+    def std_level(self) -> str:
+        """adv_std_level, or what norm_adv_by_std_in_grpo says when it is unset."""
+        if self.adv_std_level is not None:
+            return self.adv_std_level
+        return "group" if self.norm_adv_by_std_in_grpo else "none"
 
 
 @dataclass

@@ -563,6 +563,19 @@ class GRPOTrainer(TrainingLoop):
                 count = int(mask.sum())
                 metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
 
+    def _batch_std(self, scores: torch.Tensor) -> float:
+        """The unbiased std of the raw rewards over every process's rows (TRL's scale_rewards=batch
+        takes the whole batch too); two float64 sums over the processes."""
+        x = scores.detach().to(torch.float64)
+        if self.accelerator.num_processes == 1:
+            return float(x.std()) if x.numel() > 1 else 1.0
+        t = torch.tensor([float(x.numel()), float(x.sum())], dtype=torch.float64, device=self.accelerator.device)
+        torch.distributed.all_reduce(t)
+        n, mean = float(t[0]), float(t[1] / t[0].clamp(min=1))
+        sq = torch.tensor([float(((x - mean) ** 2).sum())], dtype=torch.float64, device=self.accelerator.device)
+        torch.distributed.all_reduce(sq)
+        return float(sq[0] / (n - 1)) ** 0.5 if n > 1 else 1.0
+
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
             return value
@@ -620,8 +633,12 @@ class GRPOTrainer(TrainingLoop):
         algo = self.config.algorithm
         name = algo.adv_estimator
         options: dict = {"response_mask": batch.loss_mask}
-        if name in ("grpo", "grpo_passk"):
-            options["norm_by_std"] = algo.norm_adv_by_std_in_grpo
+        if name == "grpo":
+            options["std_level"] = algo.std_level
+            if algo.std_level == "batch":
+                options["batch_std"] = self._batch_std(scores)
+        elif name == "grpo_passk":
+            options["norm_by_std"] = algo.std_level != "none"
         if name == "reinforce_plus_plus":
             options["gamma"] = algo.gamma
             if token_rewards is not None:

@@ -211,3 +211,69 @@ def test_reinforce_plus_plus_gamma_one_with_hole_is_unchanged():
     # Mean 1.5 / 5 = 0.3; deviations 1.2, 0.7, 0.7, -1.3, -1.3; var (1.44 + 0.98 + 3.38) / 4 = 1.45.
     s = math.sqrt(1.45)
     close(adv, [[1.2 / s, 0.0, 0.7 / s, 0.7 / s], [-1.3 / s, -1.3 / s, 0.0, 0.0]])
+
+
+def test_grpo_batch_std_level_trl_scale_rewards_batch():
+    # TRL's scale_rewards="batch": (R_i - mean_g) / std over the whole batch's raw rewards.
+    # Batch mean 9/6 = 1.5; squared deviations .25 + 2.25 + 2.25 + .25 + .25 + 12.25 = 17.5;
+    # unbiased var 17.5 / 5 = 3.5.
+    adv = compute_advantages("grpo", SCORES, GROUPS, std_level="batch", eps=0.0)
+    s = math.sqrt(3.5)
+    close(adv, [(1 / 3) / s, (-2 / 3) / s, -1 / s, (1 / 3) / s, 1 / s, 0.0])
+    # a std computed over more rows (the other processes') is used as given
+    close(compute_advantages("grpo", SCORES, GROUPS, std_level="batch", batch_std=2.0, eps=0.0),
+          [1 / 6, -1 / 3, -0.5, 1 / 6, 0.5, 0.0])
+    # the other levels agree with the older switch
+    close(compute_advantages("grpo", SCORES, GROUPS, std_level="none"),
+          compute_advantages("grpo", SCORES, GROUPS, norm_by_std=False))
+    close(compute_advantages("grpo", SCORES, GROUPS, std_level="group", norm_by_std=False),
+          compute_advantages("grpo", SCORES, GROUPS))
+    with pytest.raises(ValueError, match="std_level='global'"):
+        compute_advantages("grpo", SCORES, GROUPS, std_level="global")
+
+
+def test_trainer_passes_the_configured_std_level():
+    from types import SimpleNamespace
+
+    from grouprl.config import load_config
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    def advantages(*overrides):
+        trainer = SimpleNamespace(config=load_config(None, list(overrides)),
+                                  accelerator=SimpleNamespace(num_processes=1))
+        trainer._batch_std = GRPOTrainer._batch_std.__get__(trainer)
+        batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS)
+        return GRPOTrainer._advantages(trainer, SCORES, batch, None)[:, 0]
+
+    close(advantages("algorithm.adv_std_level=batch"),
+          compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))
+    close(advantages("algorithm.norm_adv_by_std_in_grpo=false"), [1 / 3, -2 / 3, -1.0, 1 / 3, 1.0, 0.0])
+    close(advantages(), compute_advantages("grpo", SCORES, GROUPS))
+
+
+def _batch_std_on_rank(rank, port, shards, out):
+    from types import SimpleNamespace
+
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2, device=torch.device("cpu")))
+        out[rank] = GRPOTrainer._batch_std(trainer, torch.tensor(shards[rank]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_batch_std_spans_every_process():
+    # scale_rewards=batch in TRL takes the std over the gathered batch; so does grouprl across processes
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shards = [[1.0, 0.0, 0.0], [1.0, 2.0, 5.0]]
+    out = mp.Manager().dict()
+    mp.spawn(_batch_std_on_rank, args=(port, shards, out), nprocs=2, join=True)
+    assert out[0] == out[1] == pytest.approx(math.sqrt(3.5), abs=1e-12)  # SCORES' batch std, by hand above

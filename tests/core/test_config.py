@@ -97,3 +97,30 @@ def test_a_group_of_one_is_refused_for_group_relative_estimators(tmp_path, estim
         load_config(path, [f"algorithm.adv_estimator={estimator}"])
     # estimators with a baseline of their own take one response per prompt
     assert load_config(path, ["algorithm.adv_estimator=reinforce_plus_plus"]).worker.rollout.n == 1
+
+
+def test_every_unknown_key_is_reported_in_one_message(tmp_path):
+    path = write(tmp_path, {"trainr": {"seed": 1}, "worker": {"rollout": {"nn": 5, "temperature": 1.0},
+                                                              "actor": {"optim": {"lrr": 1e-6}}},
+                            "algorithm": {"lr": 1e-5, "kl_coef": "high"}})  # a bad value too
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    msg = str(exc.value)
+    assert msg.startswith("unknown config keys: ") and "\n" not in msg
+    for key in ("'trainr'", "'worker.rollout.nn' (did you mean", "'worker.actor.optim.lrr' (did you mean",
+                "'algorithm.lr' (did you mean"):
+        assert key in msg
+    assert "worker.actor.optim.lr" in msg.split("'algorithm.lr'")[1]  # each key keeps its own suggestions
+
+
+def test_adv_std_level_selects_the_std_and_keeps_the_old_key():
+    assert load_config(None, []).algorithm.std_level == "group"
+    assert load_config(None, ["algorithm.norm_adv_by_std_in_grpo=false"]).algorithm.std_level == "none"
+    assert load_config(None, ["algorithm.adv_std_level=batch"]).algorithm.std_level == "batch"
+    assert load_config(None, ["algorithm.adv_std_level=none"]).algorithm.std_level == "none"
+    with pytest.raises(ConfigError, match="adv_std_level' accepts one of group, batch, none"):
+        load_config(None, ["algorithm.adv_std_level=global"])
+    with pytest.raises(ConfigError, match="norm_adv_by_std_in_grpo' is false"):
+        load_config(None, ["algorithm.adv_std_level=batch", "algorithm.norm_adv_by_std_in_grpo=false"])
+    with pytest.raises(ConfigError, match="batch is for adv_estimator grpo"):
+        load_config(None, ["algorithm.adv_std_level=batch", "algorithm.adv_estimator=rloo"])

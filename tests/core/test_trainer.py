@@ -61,6 +61,7 @@ def test_text_model_trains_and_writes_run_directory(text_setup, tmp_path):
     {"algorithm.policy_loss": "cispo", "worker.actor.ppo_epochs": 2, "worker.actor.global_batch_size": 2,
      "algorithm.mask_truncated_completions": True, "algorithm.overlong_buffer": {"enable": True, "length": 2}},
     {"algorithm.online_filtering": True, "algorithm.max_filter_rounds": 1, "algorithm.adv_estimator": "remax"},
+    {"algorithm.adv_std_level": "batch"},
     {"worker.actor.model.dtype": "bfloat16", "worker.actor.model.enable_gradient_checkpointing": True,
      "algorithm.policy_loss": "sapo", "algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
 ])
