@@ -172,6 +172,7 @@ def test_anticipated_error_is_one_line_naming_it(project, capsys, monkeypatch, q
     for text in named:
         assert text.replace("{root}", str(project)) in line, line
     assert "grouprl/rewards/" not in line and "grouprl/trainer/" not in line  # the user's frames, not grouprl's
+    assert "<unicode string>" not in line  # a YAML error names the file, not PyYAML's stream
 
 
 def test_debug_shows_the_traceback(project, capsys):
