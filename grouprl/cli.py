@@ -18,6 +18,12 @@ Under `accelerate launch -m grouprl ...` the same commands run on several proces
 
 `grouprl train` stopped by SIGTERM or SIGINT saves a checkpoint and exits with status 128 + the
 signal's number (143, 130; see ``trainer.save_on_signal``).
+
+An anticipated error (a bad config, data or YAML file, an unknown, missing or failing reward, a
+missing model path, a checkpoint where a model is expected or the reverse, an optional package
+not installed) is one line on stderr naming what is wrong, and exit code 2; `grouprl --debug ...`
+shows its traceback instead. Any other error is a bug and keeps its traceback. `grouprl --version`
+prints the version.
 """
 
 from __future__ import annotations

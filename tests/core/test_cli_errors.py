@@ -109,7 +109,8 @@ def reward(ref: str) -> str:
 # "{root}" in either stands for the project's folder
 CASES = {
     "unknown reward name": (["train", "{root}/good.yaml", reward("no_such_reward")], (), 2,
-                            ["grouprl: reward error: ", "unknown reward 'no_such_reward'", "accuracy"]),
+                            ["grouprl: reward error: config key 'worker.reward.functions': ",
+                             "unknown reward 'no_such_reward'", "accuracy"]),
     "missing reward file": (["train", "{root}/good.yaml", reward("{root}/no_rewards.py:score")], (), 2,
                             ["grouprl: reward error: ", "{root}/no_rewards.py not found", "'score'"]),
     "missing reward function": (["train", "{root}/good.yaml", reward("{root}/rewards.py:no_such_fn")], (), 2,
