@@ -46,6 +46,12 @@ def project(tmp_path_factory):
     for step in (2, 10):
         (root / "run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
     (root / "empty").mkdir()
+    (root / "prompts.jsonl").write_text('{"prompt": "a red square"}\n{"prompt": "a blue circle"}\n')
+    flow = {"kind": "flow", "data": {"train_files": [str(root / "prompts.jsonl")], "rollout_batch_size": 2},
+            "worker": {"actor": {"model": {"model_path": str(root / "no_flow_model"), "lora": {"rank": 4, "alpha": 4}}},
+                       "rollout": {"n": 2, "height": 16, "width": 16}, "reward": {"functions": [{"name": "shapes"}]}},
+            "trainer": {"output_dir": str(root / "flow_run"), "max_steps": 1, "logger": ["jsonl"], "device": "cpu"}}
+    (root / "flow.yaml").write_text(yaml.safe_dump(flow))
     return root
 
 
@@ -134,6 +140,11 @@ CASES = {
                                          "grouprl export {root}/checkpoint"]),
     "sft: missing model path": (["sft", "{root}/good.yaml", "worker.actor.model.model_path={root}/no_model"], (), 2,
                                 ["grouprl: config error: ", "'worker.actor.model.model_path'", "{root}/no_model"]),
+    "flow: missing model path": (["train", "{root}/flow.yaml"], (), 2,
+                                 ["grouprl: config error: ", "'worker.actor.model.model_path'",
+                                  "'{root}/no_flow_model' is not a directory (it does not exist)"]),
+    "flow: a folder with no flow model": (["train", "{root}/flow.yaml", "worker.actor.model.model_path={root}/empty"],
+                                          (), 2, ["'worker.actor.model.model_path'", "'{root}/empty' has neither"]),
     "export a model folder": (["export", "{root}/model", "--out", "{root}/merged"], (), 2,
                               ["grouprl: model error: ", "{root}/model is a model directory, not a grouprl checkpoint"]),
     "export a run folder": (["export", "{root}/run", "--out", "{root}/merged"], (), 2,
