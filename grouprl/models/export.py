@@ -65,7 +65,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, base_model
 
         base = base_model or json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
-            raise ValueError(f"{checkpoint} holds a LoRA adapter; pass the base model it was trained from")
+            raise ModelPathError(f"{checkpoint} holds a LoRA adapter that records no base model; pass the base "
+                                 "model it was trained from (grouprl export --base-model PATH)", str(checkpoint))
         model, processor, _ = load_model_and_processor(base, dtype=dtype)
         model = PeftModel.from_pretrained(model, str(model_dir))
     else:

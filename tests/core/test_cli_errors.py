@@ -46,6 +46,8 @@ def project(tmp_path_factory):
     for step in (2, 10):
         (root / "run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
     (root / "empty").mkdir()
+    (root / "lora" / "model").mkdir(parents=True)  # a LoRA checkpoint whose adapter names no base model
+    (root / "lora" / "model" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
     (root / "prompts.jsonl").write_text('{"prompt": "a red square"}\n{"prompt": "a blue circle"}\n')
     flow = {"kind": "flow", "data": {"train_files": [str(root / "prompts.jsonl")], "rollout_batch_size": 2},
             "worker": {"actor": {"model": {"model_path": str(root / "no_flow_model"), "lora": {"rank": 4, "alpha": 4}}},
@@ -154,6 +156,8 @@ CASES = {
                                ["grouprl: model error: ", "{root}/empty is not a grouprl checkpoint"]),
     "export a missing folder": (["export", "{root}/nowhere", "--out", "{root}/merged"], (), 2,
                                 ["grouprl: model error: ", "checkpoint {root}/nowhere does not exist"]),
+    "export LoRA with no base model": (["export", "{root}/lora", "--out", "{root}/merged"], (), 2,
+                                       ["grouprl: model error: ", "{root}/lora holds a LoRA adapter", "--base-model"]),
     "generate from a checkpoint": (["generate", "--model", "{root}/checkpoint", "--data", "{root}/data.jsonl",
                                     "--out", "{root}/preds.jsonl"], (), 2,
                                    ["grouprl: model error: ", "{root}/checkpoint is a grouprl checkpoint",
@@ -216,3 +220,23 @@ def test_version(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out.strip()
     assert out == f"grouprl {importlib.metadata.version('grouprl')}" and out[len("grouprl "):][0].isdigit()
+
+
+def test_the_command_line_exits_with_the_code_and_one_line(project):
+    """The real entry point, in a process of its own: `python -m grouprl` with uvicorn missing, and --version."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    missing = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['uvicorn'] = None; "
+                              "sys.argv[0] = 'grouprl'; runpy.run_module('grouprl', run_name='__main__')",
+                              "serve", "rewards", "--port", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        "grouprl: missing package: the reward server (grouprl serve rewards) needs uvicorn, which is not installed: "
+        "pip install 'grouprl[server]'"]
+    version = subprocess.run([sys.executable, "-m", "grouprl", "--version"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("grouprl ") and version.stderr == ""
