@@ -73,6 +73,11 @@ def strings(prompts, completions, **columns):
 
 def nan(prompts, completions, **columns):
     return [float("nan") for _ in completions]
+
+
+def parses(prompts, completions, **columns):
+    import json
+    return json.loads("{not json")
 """
 
 
@@ -126,6 +131,9 @@ CASES = {
     "reward raises": (["train", "{root}/good.yaml", reward("{root}/rewards.py:raises")], (), 2,
                       ["grouprl: reward error: ", "'{root}/rewards.py:raises' raised ZeroDivisionError",
                        "at {root}/rewards.py:2 in ", ": return [len(c) / 0 for c in completions]"]),
+    "reward raises inside a library": (["train", "{root}/good.yaml", reward("{root}/rewards.py:parses")], (), 2,
+                                       ["raised JSONDecodeError", "at {root}/rewards.py:19 in parses: "
+                                        "return json.loads(\"{not json\")"]),
     "reward returns too few values": (["train", "{root}/good.yaml", reward("{root}/rewards.py:short")], (), 2,
                                       ["grouprl: reward error: ", "rewards.py:short' returned 1 values",
                                        "function short at {root}/rewards.py:5"]),
