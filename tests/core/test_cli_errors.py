@@ -19,7 +19,9 @@ WORDS = ["yes", "no", "maybe"]
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A tiny text model, a good training file, one with a malformed record, and a config for each."""
+    """A tiny text model; a good training file, a missing one and one with a malformed record, a config for
+    each; a user's reward file; a config file that is not YAML; what a checkpoint, a run folder and a LoRA
+    checkpoint hold (enough to tell them from a model); a flow config whose model is missing."""
     from grouprl.models.tiny import build_tiny_text_lm
 
     root = tmp_path_factory.mktemp("cli_errors")
@@ -44,7 +46,7 @@ def project(tmp_path_factory):
     (root / "broken.yaml").write_text("data:\n  train_files: [a.jsonl\n  max_response_length: : 4\n")
     (root / "checkpoint" / "model").mkdir(parents=True)  # what a grouprl checkpoint holds (enough to tell)
     for step in (2, 10):
-        (root / "run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
+        (root / "old_run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
     (root / "empty").mkdir()
     (root / "lora" / "model").mkdir(parents=True)  # a LoRA checkpoint whose adapter names no base model
     (root / "lora" / "model" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
@@ -157,9 +159,9 @@ CASES = {
                                           (), 2, ["'worker.actor.model.model_path'", "'{root}/empty' has neither"]),
     "export a model folder": (["export", "{root}/model", "--out", "{root}/merged"], (), 2,
                               ["grouprl: model error: ", "{root}/model is a model directory, not a grouprl checkpoint"]),
-    "export a run folder": (["export", "{root}/run", "--out", "{root}/merged"], (), 2,
-                            ["grouprl: model error: ", "{root}/run is a grouprl run directory",
-                             "{root}/run/checkpoints/global_step_10"]),
+    "export a run folder": (["export", "{root}/old_run", "--out", "{root}/merged"], (), 2,
+                            ["grouprl: model error: ", "{root}/old_run is a grouprl run directory",
+                             "{root}/old_run/checkpoints/global_step_10"]),
     "export an empty folder": (["export", "{root}/empty", "--out", "{root}/merged"], (), 2,
                                ["grouprl: model error: ", "{root}/empty is not a grouprl checkpoint"]),
     "export a missing folder": (["export", "{root}/nowhere", "--out", "{root}/merged"], (), 2,
@@ -170,6 +172,10 @@ CASES = {
                                     "--out", "{root}/preds.jsonl"], (), 2,
                                    ["grouprl: model error: ", "{root}/checkpoint is a grouprl checkpoint",
                                     "grouprl export {root}/checkpoint"]),
+    "generate from a run folder": (["generate", "--model", "{root}/old_run", "--data", "{root}/data.jsonl",
+                                    "--out", "{root}/preds.jsonl"], (), 2,
+                                   ["grouprl: model error: ", "{root}/old_run is a grouprl run directory",
+                                    "grouprl export {root}/old_run/checkpoints/global_step_10"]),
     "generate from a missing model": (["generate", "--model", "{root}/no_model", "--data", "{root}/data.jsonl",
                                        "--out", "{root}/preds.jsonl"], (), 2,
                                       ["grouprl: model error: ", "'{root}/no_model' does not exist"]),
