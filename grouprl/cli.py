@@ -18,6 +18,12 @@ Under `accelerate launch -m grouprl ...` the same commands run on several proces
 
 `grouprl train` stopped by SIGTERM or SIGINT saves a checkpoint and exits with status 128 + the
 signal's number (143, 130; see ``trainer.save_on_signal``).
+
+An anticipated error (a bad config, data or YAML file, an unknown, missing or failing reward, a
+missing model path, a checkpoint where a model is expected or the reverse, an optional package
+not installed) is one line on stderr naming what is wrong, and exit code 2; `grouprl --debug ...`
+shows its traceback instead. Any other error is a bug and keeps its traceback. `grouprl --version`
+prints the version.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ COMMAND_GROUPS = {"serve": "run a server"}
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every registered command (the installed plugins' too)."""
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training (GRPO family).")
+    parser.add_argument("--version", action="version", version=f"grouprl {version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of its one-line message")
     subparsers = {(): parser.add_subparsers(dest="command", required=True)}
     for name, command in COMMANDS.items():
         _check_command(name, command)  # one registered as an object is checked here, a reference when imported
@@ -83,38 +92,77 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one command; a bad config or data file, or a bad use of a command, is one line on
-    stderr and exit code 2, not a traceback; so is a run stopped because no reward applied
-    (exit code 1: the command was right, the run failed); a run stopped by a signal exits with
-    128 + its number."""
+def version() -> str:
+    """grouprl's installed version (its distribution's metadata), else the package's ``__version__``."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("grouprl")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+        from grouprl import __version__
+
+        return __version__
+
+
+def _anticipated() -> tuple[tuple[type[BaseException], str, int], ...]:
+    """(error type, what the line says it is, exit code), the first match wins: the errors whose
+    message names what is wrong (the key, file, record, reward, path or extra), reported in one line."""
     from grouprl.config import ConfigError
     from grouprl.data.formats import DataError
     from grouprl.data.images import ImageError
-    from grouprl.rewards import UnscoredError
+    from grouprl.errors import MissingExtra, ModelPathError
+    from grouprl.rewards import RewardError, RewardLoadError, UnscoredError
+
+    return (
+        (UsageError, "", 2),
+        (ConfigError, "config error: ", 2),
+        (DataError, "data error: ", 2),  # the message names the file, the record and the field
+        (ImageError, "data error: ", 2),
+        # no reward applied (exit code 1: the command was right, the run failed); names the rewards and the row or step
+        (UnscoredError, "reward error: ", 1),
+        # a reward that raised or broke the contract (its own file:line), or could not be loaded: the reward is wrong
+        (RewardError, "reward error: ", 2),
+        (RewardLoadError, "reward error: ", 2),
+        (ModelPathError, "model error: ", 2),
+        (MissingExtra, "missing package: ", 2),
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line (a multi-line message's lines joined), or the error's type when it has none."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad config or data file, a bad use of a command, an unknown or failing
+    reward, a missing model path or a missing optional package is one line on stderr and exit code 2,
+    not a traceback (``--debug``, anywhere on the line: the traceback); so is a run stopped because
+    no reward applied (exit code 1: the command was right, the run failed); a run stopped by a
+    signal exits with 128 + its number. Any other error is a bug, and keeps its traceback."""
     from grouprl.trainer.signals import TrainingStopped
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is global but may come anywhere before a "--" (grouprl train c.yaml --debug)
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:end]
+    argv = [a for i, a in enumerate(argv) if not (i < end and a == "--debug")]
     args = build_parser().parse_args(argv)
     if getattr(args, "config", None) and "=" in args.config:
         # `grouprl train key=value ...` with no file: the first override landed in `config`
         args.overrides = [args.config, *args.overrides]
         args.config = None
+    anticipated = _anticipated()
     try:
         return args.fn(args)
-    except UsageError as exc:
-        print(f"{args.prog}: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"grouprl: config error: {exc}", file=sys.stderr)
-        return 2
-    except (DataError, ImageError) as exc:  # the message names the file, the record and the field
-        print(f"grouprl: data error: {exc}", file=sys.stderr)
-        return 2
-    except UnscoredError as exc:  # the message names the rewards and the row or step
-        print(f"grouprl: reward error: {exc}", file=sys.stderr)
-        return 1
     except TrainingStopped as stopped:  # a signal stopped a run (train, a demo); the loop named its checkpoint
         return stopped.exit_status
+    except tuple(kind for kind, _, _ in anticipated) as exc:
+        if debug:
+            raise
+        what, code = next((what, code) for kind, what, code in anticipated if isinstance(exc, kind))
+        prefix = f"{args.prog}: " if isinstance(exc, UsageError) else "grouprl: "
+        print(f"{prefix}{what}{_one_line(exc)}", file=sys.stderr)
+        return code
 
 
 # ----------------------------------------------------------------------------- train, sft, export

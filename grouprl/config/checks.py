@@ -11,6 +11,9 @@ from pathlib import Path
 from grouprl.config.schema import Config, ConfigError
 
 
+WANDB_USER = "config key 'trainer.logger' (it includes wandb)"
+
+
 def _check_name(key: str, value: str, registry) -> None:
     """``value`` is a name in ``registry`` (a :class:`grouprl.registry.Registry`, plugins' names included)."""
     known = registry.names()
@@ -86,6 +89,10 @@ def validate(config: Config) -> None:
     if actor.strategy == "fsdp" and model.lora.rank > 0:
         raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
                           "is not supported yet; LoRA adapters are small enough for ddp")
+    if "wandb" in config.trainer.logger:  # before the model loads, not when the logger starts
+        from grouprl.errors import check_installed
+
+        check_installed("wandb", extra="wandb", needed_by=WANDB_USER)
     if len(actor.optim.betas) != 2:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:

@@ -223,6 +223,14 @@ def build_config(root: type, values: dict):
         _SCHEMA_ROOT.reset(token)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (line and column, 1-based) and what, without the quoted source."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    what = "; ".join(str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part)
+    what = what or " ".join(str(exc).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
+
+
 def read_config_values(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                        base: dict | None = None) -> dict:
     """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict."""
@@ -234,7 +242,7 @@ def read_config_values(path: str | os.PathLike | None = None, overrides: list[st
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         values = merge_values(values, loaded)

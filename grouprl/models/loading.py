@@ -19,6 +19,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from grouprl.errors import ModelPathError
 from grouprl.data.sample import Sample
 from grouprl.models.inputs import encode_sample, model_config, tokenizer_of, unwrap_model
 
@@ -69,11 +70,37 @@ def _looks_local(path: str) -> bool:
     return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
 
 
+def _run_checkpoints(run_dir: Path) -> list[Path]:
+    """The ``checkpoints/global_step_N`` directories of a run directory, oldest first."""
+    found = [p for p in (run_dir / "checkpoints").glob("global_step_*") if p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.rpartition("_")[2]) if p.name.rpartition("_")[2].isdigit() else -1)
+
+
+def not_a_model(path: str | Path) -> ModelPathError | None:
+    """Why ``path`` cannot be a model directory (missing, a grouprl checkpoint or run directory),
+    or None when it may be one (a directory with a config.json, or a hub id)."""
+    path = str(path)
+    local = Path(path).expanduser()
+    if not local.exists():
+        return ModelPathError(f"model path {path!r} does not exist", path) if _looks_local(path) else None
+    if not local.is_dir() or (local / "config.json").exists():
+        return None
+    if (local / "model").is_dir():
+        return ModelPathError(f"{path} is a grouprl checkpoint, not a model directory; export it first: "
+                              f"grouprl export {path} --out merged/", path)
+    checkpoints = _run_checkpoints(local)
+    if checkpoints:
+        return ModelPathError(f"{path} is a grouprl run directory, not a model directory; export one of its "
+                              f"checkpoints first: grouprl export {checkpoints[-1]} --out merged/", path)
+    return None
+
+
 def _from_path(loader, path: str, what: str, **kwargs):
     """Call a ``from_pretrained`` and turn 'not here and hub unreachable' into one clear error."""
     local = Path(path).expanduser()
-    if not local.exists() and _looks_local(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist")
+    problem = not_a_model(path)
+    if problem is not None:
+        raise problem
     try:
         return loader(str(local) if local.exists() else path, **kwargs)
     except OSError as exc:

@@ -54,8 +54,9 @@ class UnscoredError(RewardError):
     """No reward applied where a score was needed: a row scored without ``allow_unscored``, or a
     training step in which no row got a score (``trainer.fail_on_unscored_steps``).
 
-    Its own class because the message says all there is (which rewards, which row or step), so
-    ``grouprl train`` reports it in one line where a reward that raised keeps its traceback.
+    Its own class because the run, not the reward, failed: ``grouprl train`` reports it in one line
+    with exit code 1, where a reward that raised or broke the contract (a wrong reward: its message
+    names the reward and the line of its own code) is reported with exit code 2.
     """
 
 class RewardTimeout(TimeoutError):

@@ -42,8 +42,11 @@ import inspect
 import logging
 import math
 import sys
+import sysconfig
 import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Awaitable, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from grouprl.rewards.contract import (
@@ -220,7 +223,7 @@ class RewardSet:
                 if comp.on_error != "none":
                     # The batch fails anyway: do not wait for the other rewards' (maybe remote) calls.
                     _close(aw for _, aw, _ in pending)
-                    raise _wrap(self.contract, comp.key, exc, n) from exc
+                    raise _wrap(self.contract, comp.key, exc, n, comp.fn) from exc
                 out = exc
             if inspect.isawaitable(out):
                 # a plain callable that handed back an awaitable has the rest of its time for it
@@ -240,7 +243,7 @@ class RewardSet:
         errors: dict[str, str] = {}
         for comp, raw in zip(self.components, outcomes):
             if isinstance(raw, Exception):
-                error = _wrap(contract, comp.key, raw, n)
+                error = _wrap(contract, comp.key, raw, n, comp.fn)
                 if comp.on_error != "none":
                     raise error from raw
                 logger.warning("%s; its rows are left unscored (on_error=none)", error)
@@ -249,7 +252,7 @@ class RewardSet:
                 continue
             if isinstance(raw, BaseException):  # KeyboardInterrupt, SystemExit, cancellation: not the reward's fault
                 raise raw
-            components[comp.key] = _validate(contract, comp.key, raw, n)
+            components[comp.key] = _validate(contract, comp.key, raw, n, _defined_at(comp.fn))
         total = weighted_total(components, self.weights)
         if not allow_unscored and None in total:
             row = total.index(None)
@@ -308,23 +311,73 @@ def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any]
             )
 
 
-def _wrap(contract: RewardContract, key: str, exc: BaseException, n: int) -> RewardError:
-    # Always a new error naming this reward (a RewardError raised inside, a judge's, keeps its row).
+def _wrap(contract: RewardContract, key: str, exc: BaseException, n: int,
+          fn: Callable[..., Any] | None = None) -> RewardError:
+    # Always a new error naming this reward (a RewardError raised inside, a judge's, keeps its row),
+    # and where it raised: the reward's own line, not grouprl's frames that called it.
     if isinstance(exc, RewardTimeout):
         return RewardError(f"{contract.kind} {key!r} timed out: {exc} (a batch of {n} row(s))", reward=key)
-    return RewardError(f"{contract.kind} {key!r} raised {type(exc).__name__}: {exc} (a batch of {n} row(s))",
-                       reward=key, row=getattr(exc, "row", None))
+    return RewardError(f"{contract.kind} {key!r} raised {type(exc).__name__}: {exc} (a batch of {n} row(s))"
+                       f"{_raised_at(exc, fn)}", reward=key, row=getattr(exc, "row", None))
 
 
-def _validate(contract: RewardContract, key: str, raw: Any, n: int) -> list[float | None]:
+# Frames in these directories are not the reward author's: grouprl itself, the standard library
+# and installed packages (a user's reward that calls numpy is reported at its own line).
+_GROUPRL_DIR = Path(__file__).resolve().parents[1]
+_LIBRARY_DIRS = tuple({Path(sysconfig.get_paths()[k]).resolve()
+                       for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in sysconfig.get_paths()})
+
+
+def _function_code(fn: Any) -> Any:
+    """The code object of a reward function (options' partials and decorators unwrapped), or None."""
+    for _ in range(16):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        else:
+            break
+    code = getattr(fn, "__code__", None)
+    if code is None and not inspect.isfunction(fn):  # a callable object: its __call__
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    return code
+
+
+def _defined_at(fn: Any) -> str:
+    """``"; function f at file.py:12"`` for a reward whose result broke the contract (it did not raise)."""
+    code = _function_code(fn)
+    return f"; function {code.co_name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+
+
+def _raised_at(exc: BaseException, fn: Any) -> str:
+    """``"; at file.py:3 in f: <line>"``: the innermost frame of the reward author's own code in the
+    traceback of ``exc`` (else one in the reward function's file, else the innermost frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+
+    def authors(frame: traceback.FrameSummary) -> bool:
+        if frame.filename.startswith("<"):
+            return False
+        path = Path(frame.filename).resolve()
+        return not any(d == path or d in path.parents for d in (_GROUPRL_DIR, *_LIBRARY_DIRS))
+
+    code = _function_code(fn)
+    own = [f for f in frames if code is not None and f.filename == code.co_filename]
+    frame = next((f for f in reversed(frames) if authors(f)), None) or (own[-1] if own else frames[-1])
+    line = f": {frame.line.strip()}" if frame.line and frame.line.strip() else ""
+    return f"; at {frame.filename}:{frame.lineno} in {frame.name}{line}"
+
+
+def _validate(contract: RewardContract, key: str, raw: Any, n: int, where: str = "") -> list[float | None]:
     kind, rows = contract.kind, contract.rows
     if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):
-        raise RewardError(f"{kind} {key!r} returned a {type(raw).__name__}; expected a list of {n} floats or None",
+        raise RewardError(f"{kind} {key!r} returned a {type(raw).__name__}; expected a list of {n} floats or None{where}",
                           reward=key)
     values = list(raw)
     if len(values) != n:
         raise RewardError(f"{kind} {key!r} returned {len(values)} values for {n} {rows} (expected {n}, "
-                          f"got {len(values)})", reward=key)
+                          f"got {len(values)}){where}", reward=key)
     out: list[float | None] = []
     for row, v in enumerate(values):
         if v is None:
@@ -334,14 +387,14 @@ def _validate(contract: RewardContract, key: str, raw: Any, n: int) -> list[floa
         # "0.5" is a bug in the reward that must not be parsed into a score.
         if isinstance(v, (str, bytes)) or not hasattr(type(v), "__float__"):
             raise RewardError(f"{kind} {key!r} returned a {type(v).__name__} ({v!r}) at row {row}; "
-                              "expected a float or None", reward=key, row=row)
+                              f"expected a float or None{where}", reward=key, row=row)
         try:
             f = float(v)
         except (TypeError, ValueError) as exc:
-            raise RewardError(f"{kind} {key!r} returned {v!r} at row {row}, which is not a number: {exc}",
+            raise RewardError(f"{kind} {key!r} returned {v!r} at row {row}, which is not a number: {exc}{where}",
                               reward=key, row=row) from exc
         if not math.isfinite(f):
-            raise RewardError(f"{kind} {key!r} returned {f} at row {row}; a reward must be a finite number or None",
+            raise RewardError(f"{kind} {key!r} returned {f} at row {row}; a reward must be a finite number or None{where}",
                               reward=key, row=row)
         out.append(f)
     return out

@@ -38,7 +38,7 @@ from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
 
 def build_rewards(config: Config):
-    from grouprl.rewards import RewardComponent, RewardSet, RewardSpec
+    from grouprl.rewards import RewardComponent, RewardLoadError, RewardSet, RewardSpec
 
     r = config.worker.reward
     if r.reward_function:
@@ -46,7 +46,11 @@ def build_rewards(config: Config):
     else:
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), on_error=f.on_error)
                  for f in r.functions]
-    rewards = RewardSet.from_specs(specs, timeout=r.timeout) if specs else None
+    try:
+        rewards = RewardSet.from_specs(specs, timeout=r.timeout) if specs else None
+    except RewardLoadError as exc:  # the message names the reward; say where it was set
+        key = "worker.reward.reward_function" if r.reward_function else "worker.reward.functions"
+        raise RewardLoadError(f"config key '{key}': {exc}") from exc
     if r.reward_server:
         from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
 

@@ -119,10 +119,9 @@ class MetricsLogger:
             purge_step = None if resume_step is None else resume_step + 1
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         if "wandb" in self.backends:
-            try:
-                import wandb
-            except ImportError as exc:
-                raise ImportError("trainer.logger includes 'wandb' but wandb is not installed: pip install 'grouprl[wandb]'") from exc
+            from grouprl.errors import require
+
+            wandb = require("wandb", extra="wandb", needed_by="config key 'trainer.logger' (it includes wandb)")
             self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(run_dir), resume="allow")
         if "console" in self.backends:
             self._progress = Progress(

@@ -12,8 +12,21 @@ from grouprl.config import ActorConfig, ConfigError, ModelConfig, TrainerConfig
 from grouprl.trainer.precision import Precision, precision_policy
 
 
+def check_model_path(model_cfg: ModelConfig) -> None:
+    """``worker.actor.model.model_path`` is set and may hold a model (not missing, not a grouprl
+    checkpoint or run directory): a :class:`ConfigError` naming the key otherwise, before any loading."""
+    from grouprl.models.loading import not_a_model
+
+    if not model_cfg.model_path:
+        raise ConfigError("config key 'worker.actor.model.model_path' is not set")
+    problem = not_a_model(model_cfg.model_path)
+    if problem is not None:
+        raise ConfigError(f"config key 'worker.actor.model.model_path': {problem}") from problem
+
+
 def run_precision(model_cfg: ModelConfig, strategy: str) -> Precision:
     """The run's precision policy; ``dtype: auto`` reads the checkpoint's dtype."""
+    check_model_path(model_cfg)
     checkpoint = None
     if model_cfg.dtype == "auto":
         from grouprl.models.loading import checkpoint_dtype
@@ -34,8 +47,7 @@ def build_policy(model_cfg: ModelConfig, precision: Precision | None = None):
     """
     from grouprl.models.loading import apply_lora, freeze, load_model_and_processor
 
-    if not model_cfg.model_path:
-        raise ConfigError("config key 'worker.actor.model.model_path' is not set")
+    check_model_path(model_cfg)
     if model_cfg.lora.rank > 0 and model_cfg.trainable_modules:
         # peft trains only the adapters and saves only them: named base modules would be
         # frozen again, or trained and then lost from every checkpoint

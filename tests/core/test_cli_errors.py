@@ -1,8 +1,13 @@
-"""`grouprl train` / `grouprl sft` report a bad data file like a config error: one line, exit code 2."""
+"""Anticipated errors of `grouprl` are one line on stderr naming what is wrong, with exit code 2:
+a bad data file, an unknown or missing reward, a reward that raises or breaks the contract (at
+the user's own file:line), a missing model path, a checkpoint where a model is expected (or the
+reverse), a missing optional package (named with its extra), a YAML syntax error. ``--debug``
+shows the traceback instead; ``--version`` prints the version."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -14,7 +19,9 @@ WORDS = ["yes", "no", "maybe"]
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A tiny text model, a good training file, one with a malformed record, and a config for each."""
+    """A tiny text model; a good training file, a missing one and one with a malformed record, a config for
+    each; a user's reward file; a config file that is not YAML; what a checkpoint, a run folder and a LoRA
+    checkpoint hold (enough to tell them from a model); a flow config whose model is missing."""
     from grouprl.models.tiny import build_tiny_text_lm
 
     root = tmp_path_factory.mktemp("cli_errors")
@@ -31,7 +38,59 @@ def project(tmp_path_factory):
             "sft": {"batch_size": 2, "micro_batch_size": 2},
         }
         (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    good = yaml.safe_load((root / "missing.yaml").read_text())
+    good["data"]["train_files"] = [str(root / "data.jsonl")]
+    (root / "good.yaml").write_text(yaml.safe_dump(good))
+    (root / "rewards.py").write_text(USER_REWARDS)
+    (root / "broken.yaml").write_text("data:\n  train_files: [a.jsonl\n  max_response_length: : 4\n")
+    (root / "checkpoint" / "model").mkdir(parents=True)  # what a grouprl checkpoint holds (enough to tell)
+    for step in (2, 10):
+        (root / "old_run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "lora" / "model").mkdir(parents=True)  # a LoRA checkpoint whose adapter names no base model
+    (root / "lora" / "model" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    (root / "prompts.jsonl").write_text('{"prompt": "a red square"}\n{"prompt": "a blue circle"}\n')
+    flow = {"kind": "flow", "data": {"train_files": [str(root / "prompts.jsonl")], "rollout_batch_size": 2},
+            "worker": {"actor": {"model": {"model_path": str(root / "no_flow_model"), "lora": {"rank": 4, "alpha": 4}}},
+                       "rollout": {"n": 2, "height": 16, "width": 16}, "reward": {"functions": [{"name": "shapes"}]}},
+            "trainer": {"output_dir": str(root / "flow_run"), "max_steps": 1, "logger": ["jsonl"], "device": "cpu"}}
+    (root / "flow.yaml").write_text(yaml.safe_dump(flow))
     return root
+
+
+# a user's reward file: each function breaks the reward contract in its own way
+USER_REWARDS = """\
+def raises(prompts, completions, **columns):
+    return [len(c) / 0 for c in completions]
+
+
+def short(prompts, completions, **columns):
+    return [1.0]
+
+
+def strings(prompts, completions, **columns):
+    return ["1.0" for _ in completions]
+
+
+def nan(prompts, completions, **columns):
+    return [float("nan") for _ in completions]
+
+
+def parses(prompts, completions, **columns):
+    import json
+    return json.loads("{not json")
+"""
+
+
+@pytest.fixture
+def quiet_loading():
+    """No "Loading weights" progress bar on stderr (transformers') in the cases that load the model."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    yield
+    hf_logging.enable_progress_bar()
 
 
 def one_error_line(capsys) -> str:
@@ -55,3 +114,143 @@ def test_malformed_record_names_file_record_and_field(project, capsys, command):
     line = one_error_line(capsys)
     assert line.startswith("grouprl: data error: ")
     assert "bad.jsonl" in line and "record 2" in line and "problem" in line
+
+
+def reward(ref: str) -> str:
+    return f"worker.reward.functions=[{{name: '{ref}'}}]"
+
+
+# id -> (command line, modules made missing, exit code, what the line names: strings each in it);
+# "{root}" in either stands for the project's folder
+CASES = {
+    "unknown reward name": (["train", "{root}/good.yaml", reward("no_such_reward")], (), 2,
+                            ["grouprl: reward error: config key 'worker.reward.functions': ",
+                             "unknown reward 'no_such_reward'", "accuracy"]),
+    "missing reward file": (["train", "{root}/good.yaml", reward("{root}/no_rewards.py:score")], (), 2,
+                            ["grouprl: reward error: ", "{root}/no_rewards.py not found", "'score'"]),
+    "missing reward function": (["train", "{root}/good.yaml", reward("{root}/rewards.py:no_such_fn")], (), 2,
+                                ["grouprl: reward error: ", "rewards.py has no function 'no_such_fn'", "raises"]),
+    "reward raises": (["train", "{root}/good.yaml", reward("{root}/rewards.py:raises")], (), 2,
+                      ["grouprl: reward error: ", "'{root}/rewards.py:raises' raised ZeroDivisionError",
+                       "at {root}/rewards.py:2 in ", ": return [len(c) / 0 for c in completions]"]),
+    "reward raises inside a library": (["train", "{root}/good.yaml", reward("{root}/rewards.py:parses")], (), 2,
+                                       ["raised JSONDecodeError", "at {root}/rewards.py:19 in parses: "
+                                        "return json.loads(\"{not json\")"]),
+    "reward returns too few values": (["train", "{root}/good.yaml", reward("{root}/rewards.py:short")], (), 2,
+                                      ["grouprl: reward error: ", "rewards.py:short' returned 1 values",
+                                       "function short at {root}/rewards.py:5"]),
+    "reward returns strings": (["train", "{root}/good.yaml", reward("{root}/rewards.py:strings")], (), 2,
+                               ["grouprl: reward error: ", "returned a str ('1.0') at row 0",
+                                "function strings at {root}/rewards.py:9"]),
+    "reward returns NaN": (["train", "{root}/good.yaml", reward("{root}/rewards.py:nan")], (), 2,
+                           ["grouprl: reward error: ", "returned nan at row 0", "function nan at {root}/rewards.py:13"]),
+    "missing model path": (["train", "{root}/good.yaml", "worker.actor.model.model_path={root}/no_model"], (), 2,
+                           ["grouprl: config error: ", "'worker.actor.model.model_path'", "{root}/no_model",
+                            "does not exist"]),
+    "checkpoint as model path": (["train", "{root}/good.yaml", "worker.actor.model.model_path={root}/checkpoint"],
+                                 (), 2, ["'worker.actor.model.model_path'", "{root}/checkpoint is a grouprl checkpoint",
+                                         "grouprl export {root}/checkpoint"]),
+    "sft: missing model path": (["sft", "{root}/good.yaml", "worker.actor.model.model_path={root}/no_model"], (), 2,
+                                ["grouprl: config error: ", "'worker.actor.model.model_path'", "{root}/no_model"]),
+    "flow: missing model path": (["train", "{root}/flow.yaml"], (), 2,
+                                 ["grouprl: config error: ", "'worker.actor.model.model_path'",
+                                  "'{root}/no_flow_model' is not a directory (it does not exist)"]),
+    "flow: a folder with no flow model": (["train", "{root}/flow.yaml", "worker.actor.model.model_path={root}/empty"],
+                                          (), 2, ["'worker.actor.model.model_path'", "'{root}/empty' has neither"]),
+    "export a model folder": (["export", "{root}/model", "--out", "{root}/merged"], (), 2,
+                              ["grouprl: model error: ", "{root}/model is a model directory, not a grouprl checkpoint"]),
+    "export a run folder": (["export", "{root}/old_run", "--out", "{root}/merged"], (), 2,
+                            ["grouprl: model error: ", "{root}/old_run is a grouprl run directory",
+                             "{root}/old_run/checkpoints/global_step_10"]),
+    "export an empty folder": (["export", "{root}/empty", "--out", "{root}/merged"], (), 2,
+                               ["grouprl: model error: ", "{root}/empty is not a grouprl checkpoint"]),
+    "export a missing folder": (["export", "{root}/nowhere", "--out", "{root}/merged"], (), 2,
+                                ["grouprl: model error: ", "checkpoint {root}/nowhere does not exist"]),
+    "export LoRA with no base model": (["export", "{root}/lora", "--out", "{root}/merged"], (), 2,
+                                       ["grouprl: model error: ", "{root}/lora holds a LoRA adapter", "--base-model"]),
+    "generate from a checkpoint": (["generate", "--model", "{root}/checkpoint", "--data", "{root}/data.jsonl",
+                                    "--out", "{root}/preds.jsonl"], (), 2,
+                                   ["grouprl: model error: ", "{root}/checkpoint is a grouprl checkpoint",
+                                    "grouprl export {root}/checkpoint"]),
+    "generate from a run folder": (["generate", "--model", "{root}/old_run", "--data", "{root}/data.jsonl",
+                                    "--out", "{root}/preds.jsonl"], (), 2,
+                                   ["grouprl: model error: ", "{root}/old_run is a grouprl run directory",
+                                    "grouprl export {root}/old_run/checkpoints/global_step_10"]),
+    "generate from a missing model": (["generate", "--model", "{root}/no_model", "--data", "{root}/data.jsonl",
+                                       "--out", "{root}/preds.jsonl"], (), 2,
+                                      ["grouprl: model error: ", "'{root}/no_model' does not exist"]),
+    "wandb logger without wandb": (["train", "{root}/good.yaml", "trainer.logger=[jsonl,wandb]"], ("wandb",), 2,
+                                   ["grouprl: missing package: ", "'trainer.logger'", "pip install 'grouprl[wandb]'"]),
+    "demo --flow without diffusers": (["demo", "--flow", "--quick", "--out", "{root}/flow"], ("diffusers",), 2,
+                                      ["grouprl: missing package: ", "grouprl demo --flow", "diffusers",
+                                       "pip install 'grouprl[diffusion]'"]),
+    "serve rewards without uvicorn": (["serve", "rewards", "--port", "1"], ("uvicorn",), 2,
+                                      ["grouprl: missing package: ", "uvicorn", "pip install 'grouprl[server]'"]),
+    "YAML syntax error": (["train", "{root}/broken.yaml"], (), 2,
+                          ["grouprl: config error: ", "config file {root}/broken.yaml is not valid YAML",
+                           "line 3, column"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_anticipated_error_is_one_line_naming_it(project, capsys, monkeypatch, quiet_loading, case):
+    argv, missing, code, named = CASES[case]
+    for module in missing:  # as if the optional package were not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main([a.replace("{root}", str(project)) for a in argv]) == code
+    line = one_error_line(capsys)
+    for text in named:
+        assert text.replace("{root}", str(project)) in line, line
+    assert "grouprl/rewards/" not in line and "grouprl/trainer/" not in line  # the user's frames, not grouprl's
+    assert "<unicode string>" not in line  # a YAML error names the file, not PyYAML's stream
+
+
+def test_debug_shows_the_traceback(project, capsys):
+    from grouprl.data.formats import DataError
+
+    for argv in (["--debug", "train", str(project / "missing.yaml")], ["train", str(project / "missing.yaml"), "--debug"]):
+        with pytest.raises(DataError, match="no_such_file.jsonl"):
+            main(argv)
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unexpected_error_keeps_its_traceback(project, monkeypatch):
+    """Only the anticipated kinds become one line: a bug is not swallowed."""
+    import grouprl.config
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(grouprl.config, "read_config_values", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["train", str(project / "good.yaml")])
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"grouprl {importlib.metadata.version('grouprl')}" and out[len("grouprl "):][0].isdigit()
+
+
+def test_the_command_line_exits_with_the_code_and_one_line(project):
+    """The real entry point, in a process of its own: `python -m grouprl` with uvicorn missing, and --version."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    missing = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['uvicorn'] = None; "
+                              "sys.argv[0] = 'grouprl'; runpy.run_module('grouprl', run_name='__main__')",
+                              "serve", "rewards", "--port", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        "grouprl: missing package: the reward server (grouprl serve rewards) needs uvicorn, which is not installed: "
+        "pip install 'grouprl[server]'"]
+    version = subprocess.run([sys.executable, "-m", "grouprl", "--version"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("grouprl ") and version.stderr == ""

@@ -126,11 +126,9 @@ class FlowConfig(RunPaths):
 
 def require_diffusers() -> None:
     """Fail with the extra to install when diffusers is missing (the sampling math itself needs only torch)."""
-    try:
-        import diffusers  # noqa: F401
-    except ImportError as exc:
-        raise ImportError("the flow trainer and `grouprl demo --flow` need diffusers: "
-                          "pip install 'grouprl[diffusion]'") from exc
+    from grouprl.errors import require
+
+    require("diffusers", extra="diffusion", needed_by="the flow trainer (and `grouprl demo --flow`)")
 
 
 def is_flow_config(values: dict) -> bool:

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from grouprl.errors import ModelPathError
+
 MODEL_INDEX = "model_index.json"
 FLOW_INDEX = "flow_model.json"
 FLOW_FORMAT = "grouprl-flow"
@@ -195,14 +197,15 @@ def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"load_flow_model: {path} is not a directory")
+        raise ModelPathError(f"flow model path {str(path)!r} is not a directory"
+                             + ("" if path.exists() else " (it does not exist)"), str(path))
     if (path / FLOW_INDEX).is_file():
         model = _load_flow_layout(path, dtype)
     elif (path / MODEL_INDEX).is_file():
         model = _load_sd3(path, dtype, max_sequence_length)
     else:
-        raise FileNotFoundError(f"load_flow_model: {path} has neither {MODEL_INDEX} (a StableDiffusion3Pipeline "
-                                f"directory) nor {FLOW_INDEX} (grouprl's layout)")
+        raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a StableDiffusion3Pipeline "
+                             f"directory) nor {FLOW_INDEX} (grouprl's layout)", str(path))
     for module in [*model.text_encoders, model.vae]:
         if module is not None:
             module.requires_grad_(False).eval()

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from grouprl.config import ConfigError
+from grouprl.errors import ModelPathError
 from grouprl.domains.diffusion.config import FlowConfig
 from grouprl.domains.diffusion.objectives import (
     clipped_policy_loss,
@@ -198,7 +199,10 @@ class FlowGRPOTrainer(TrainingLoop):
         self.precision = precision_policy(actor.model.dtype, "adamw", lora=True)
         if not actor.model.model_path:
             raise ConfigError("config key 'worker.actor.model.model_path' is not set")
-        self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device)
+        try:
+            self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device)
+        except ModelPathError as exc:
+            raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
         self.processor = None  # checkpoints hold the adapters alone: the pipeline's parts never change
         self.train_model = accelerator.prepare(self.policy)

@@ -220,6 +220,7 @@ SAMPLE = Command("choose training items: CheXPO hard-sample mining or uniform, s
 
 def cmd_serve_rewards(args) -> int:
     from grouprl.domains.radiology.server.app import DEFAULT_COMPONENTS, serve
+    from grouprl.errors import MissingExtra
 
     token = args.token if args.token is not None else os.environ.get("GROUPRL_REWARD_TOKEN") or None
     try:
@@ -230,6 +231,8 @@ def cmd_serve_rewards(args) -> int:
               default_type=args.default_type, scoring_threads=args.scoring_threads,
               class_frequencies=args.class_frequencies, entity_embeddings=args.entity_embeddings,
               entity_encoder=args.entity_encoder, log_level=args.log_level)
+    except MissingExtra:  # `grouprl` reports it (with the extra to install), or its traceback under --debug
+        raise
     except (ValueError, OSError, ImportError) as exc:  # bad settings, missing files or packages, a busy port
         print(f"grouprl serve rewards: {exc}", file=sys.stderr)
         return 2

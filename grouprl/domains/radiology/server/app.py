@@ -1073,7 +1073,10 @@ def serve(
     cannot start, uvicorn logs why and exits with status 3). ``body_timeout`` and
     ``header_timeout`` bound how long a request may take to arrive (``header_timeout_protocol``).
     """
-    import uvicorn
+    from grouprl.errors import require
+
+    require("fastapi", extra="server", needed_by="the reward server (grouprl serve rewards)")
+    uvicorn = require("uvicorn", extra="server", needed_by="the reward server (grouprl serve rewards)")
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
