@@ -27,6 +27,15 @@ def _noted_keys(notes):
     return {n.split()[2].split("=")[0] for n in notes}
 
 
+@pytest.fixture(autouse=True)
+def wandb_installed(tmp_path, monkeypatch):
+    """EasyR1's examples log to wandb, which its users have installed: a stand-in package, found by
+    the config check that wandb can be imported (the check itself is tested in test_cli_errors.py)."""
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 def test_easyr1_example_refuses_its_prompt_template_only():
     # format_prompt rewrites every prompt (math.jinja asks for \boxed{} answers the reward reads):
     # dropping it would train on other prompts, so it is refused, and it is the only refusal.
