@@ -67,6 +67,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "SFT+GRPO" in printed and "summary.json" in printed
+    # a smoke run says so (and what the full run shows) rather than leaving its table to be read as a result
+    assert " ".join(printed.split()).count("--quick is a smoke run") == 1
     # the demo data went through the real loader in LLaVA format, with images on disk
     assert (out / "data" / "train" / "data.json").exists() and list((out / "data" / "train" / "images").glob("*.png"))
 

@@ -34,6 +34,10 @@ from grouprl.trainer.curves import plot_reward_curves
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
+# --quick runs every stage on too little data for the tiny model to learn to write: said plainly
+QUICK_NOTE = ("--quick is a smoke run of the pipeline: one SFT epoch on 96 studies leaves the model writing "
+              "(almost) nothing, so the table above is not a result. The full run (grouprl demo, about 4-5 minutes "
+              "on 2 CPU cores) takes the held-out reward from about 1.55 after SFT to 1.82 after GRPO.")
 QUICK = dict(train=96, val=16, sft_epochs=1, grpo_steps=3, n=4, prompts_per_step=8)
 REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
 # build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
@@ -193,6 +197,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
     for name, r in results.items():
         table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
     console.print(table)
+    if quick:
+        console.print(QUICK_NOTE)
 
     png = out / ("compare_rewards.png" if compare else "reward_curve.png")
     plot_reward_curves(curves, png, ylabel=f"mean training reward\n({REWARD})",
