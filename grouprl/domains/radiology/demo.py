@@ -36,8 +36,8 @@ from grouprl.trainer.curves import plot_reward_curves
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
 # --quick runs every stage on too little data for the tiny model to learn to write: said plainly
 QUICK_NOTE = ("--quick is a smoke run of the pipeline: one SFT epoch on 96 studies leaves the model writing "
-              "(almost) nothing, so the table above is not a result. The full run (grouprl demo, about 4-5 minutes "
-              "on 2 CPU cores) takes the held-out reward from about 1.55 after SFT to 1.82 after GRPO.")
+              "(almost) nothing, so the table above is not a result. The full run (grouprl demo, about 4 minutes "
+              "on 2 CPU cores) takes the held-out reward from about 1.56 after SFT to 1.86 after GRPO.")
 QUICK = dict(train=96, val=16, sft_epochs=1, grpo_steps=3, n=4, prompts_per_step=8)
 REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
 # build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
