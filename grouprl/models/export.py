@@ -37,7 +37,7 @@ def save_merged(model, processor, out_dir: str | Path, *, state_dict: dict | Non
 
 def _not_a_checkpoint(checkpoint: str) -> ModelPathError:
     """What ``checkpoint`` (no ``model/`` directory in it) is instead, and what to export."""
-    from grouprl.models.loading import _run_checkpoints
+    from grouprl.models.loading import run_checkpoints
 
     path = Path(checkpoint).expanduser()
     if not path.exists():
@@ -45,7 +45,7 @@ def _not_a_checkpoint(checkpoint: str) -> ModelPathError:
     if (path / "config.json").exists():
         return ModelPathError(f"{checkpoint} is a model directory, not a grouprl checkpoint: it needs no export "
                               f"(use it as it is, e.g. grouprl generate --model {checkpoint})", checkpoint)
-    found = _run_checkpoints(path)
+    found = run_checkpoints(path)
     if found:
         return ModelPathError(f"{checkpoint} is a grouprl run directory, not a checkpoint; export one of its "
                               f"checkpoints, e.g. the latest: grouprl export {found[-1]} --out merged/", checkpoint)

@@ -70,7 +70,7 @@ def _looks_local(path: str) -> bool:
     return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
 
 
-def _run_checkpoints(run_dir: Path) -> list[Path]:
+def run_checkpoints(run_dir: Path) -> list[Path]:
     """The ``checkpoints/global_step_N`` directories of a run directory, oldest first."""
     found = [p for p in (run_dir / "checkpoints").glob("global_step_*") if p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.rpartition("_")[2]) if p.name.rpartition("_")[2].isdigit() else -1)
@@ -88,7 +88,7 @@ def not_a_model(path: str | Path) -> ModelPathError | None:
     if (local / "model").is_dir():
         return ModelPathError(f"{path} is a grouprl checkpoint, not a model directory; export it first: "
                               f"grouprl export {path} --out merged/", path)
-    checkpoints = _run_checkpoints(local)
+    checkpoints = run_checkpoints(local)
     if checkpoints:
         return ModelPathError(f"{path} is a grouprl run directory, not a model directory; export one of its "
                               f"checkpoints first: grouprl export {checkpoints[-1]} --out merged/", path)
