@@ -187,10 +187,7 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("data.video_key", "record field with videos", "grouprl reads images only (data.image_key)",
           ),
     _note("data.video_fps", "frames per second sampled from videos", "grouprl reads images only"),
-    # A prompt template or chat template changes every prompt the policy sees: refused, not noted.
-    _note("data.format_prompt", "a Jinja template each prompt is rendered through",
-          "no template", refuse=_nonempty("grouprl has no prompt templates; write the instruction into the "
-                                          "data or data.system_prompt"), quiet_when=lambda v: v is None),
+    # A chat template changes every prompt the policy sees: refused, not noted.
     _note("data.override_chat_template", "a chat template replacing the tokenizer's", "the tokenizer's own",
           refuse=_nonempty("grouprl uses the processor's own chat template; save the model with the template "
                            "you want"), quiet_when=lambda v: v is None),

@@ -37,6 +37,8 @@ class DataConfig:
     image_dir: str | None = None
     id_key: str = "id"  # the record field that identifies a sample in logs and outputs
     system_prompt: str | None = None
+    # a Jinja template file each prompt is rendered through as {{ content }} (EasyR1's format_prompt)
+    format_prompt: str | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_prompt_length: int = 1024

@@ -20,6 +20,7 @@ loader, which knows where the record came from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,17 +101,21 @@ def parse_record(
     *,
     keys: RecordKeys = RecordKeys(),
     system_prompt: str | None = None,
+    format_prompt: Callable[[str], str] | None = None,
     require_answer: bool = True,
 ) -> ParsedRecord:
-    """Take one record of format ``fmt`` apart; raises RecordError naming the bad field."""
+    """Take one record of format ``fmt`` apart; raises RecordError naming the bad field.
+
+    ``format_prompt`` (from ``prompt_formatter``) rewrites the text of the user turn the policy
+    answers (the last one), before its ``<image>`` slots are split out, as EasyR1 does."""
     if fmt == "easyr1":
-        parsed = _parse_easyr1(record, keys, require_answer)
+        parsed = _parse_easyr1(record, keys, require_answer, format_prompt)
         prompt_field, image_field = keys.prompt, keys.images
     elif fmt == "llava":
-        parsed = _parse_llava(record, require_answer)
+        parsed = _parse_llava(record, require_answer, format_prompt)
         prompt_field, image_field = "conversations", "image"
     elif fmt == "swift":
-        parsed = _parse_swift(record, require_answer)
+        parsed = _parse_swift(record, require_answer, format_prompt)
         prompt_field, image_field = "messages", "images"
     else:
         raise DataError(f"unknown record format {fmt!r}; valid formats: auto, {', '.join(FORMATS)}")
@@ -134,8 +139,42 @@ def split_placeholders(text: str) -> list[dict[str, Any]]:
     return items
 
 
-def _parse_easyr1(record: dict[str, Any], keys: RecordKeys, require_answer: bool) -> ParsedRecord:
+def prompt_formatter(template: str) -> Callable[[str], str]:
+    """``text -> template.render(content=text)`` for a Jinja template, stripped as EasyR1 strips it
+    (EasyR1's ``data.format_prompt`` files, e.g. ``{{ content | trim }} You FIRST think ...``).
+
+    A template that does not parse is a DataError naming its line; one that renders nothing
+    from ``content`` would silently replace every prompt, so it is refused too."""
+    import jinja2
+
+    try:
+        compiled = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(template.strip())
+    except jinja2.TemplateSyntaxError as exc:
+        raise DataError(f"format_prompt template: {exc.message} (line {exc.lineno})") from exc
+    probe = "\x00grouprl-probe\x00"
+    try:
+        uses_content = probe in compiled.render(content=probe)
+    except jinja2.UndefinedError as exc:
+        raise DataError(f"format_prompt template: {exc.message}; templates get one variable, 'content'") from exc
+    if not uses_content:
+        raise DataError("format_prompt template never renders {{ content }}, so every prompt would be replaced")
+    return lambda text: compiled.render(content=text)
+
+
+def _format_last_user_turn(messages: list[dict[str, str]], format_prompt: Callable[[str], str] | None) -> None:
+    if format_prompt is None:
+        return
+    for message in reversed(messages):
+        if message["role"] == "user":
+            message["text"] = format_prompt(message["text"])
+            return
+
+
+def _parse_easyr1(record: dict[str, Any], keys: RecordKeys, require_answer: bool,
+                  format_prompt: Callable[[str], str] | None = None) -> ParsedRecord:
     prompt = _string_field(record, keys.prompt)
+    if format_prompt is not None:
+        prompt = format_prompt(prompt)
     answer = _answer_field(record, keys.answer, require_answer)
     images = _image_list(record, keys.images)
     messages = [{"role": "user", "content": split_placeholders(prompt)}]
@@ -143,7 +182,8 @@ def _parse_easyr1(record: dict[str, Any], keys: RecordKeys, require_answer: bool
     return ParsedRecord(messages, images, answer, columns)
 
 
-def _parse_llava(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
+def _parse_llava(record: dict[str, Any], require_answer: bool,
+                 format_prompt: Callable[[str], str] | None = None) -> ParsedRecord:
     turns = _list_field(record, "conversations")
     messages = []
     for i, turn in enumerate(turns):
@@ -156,11 +196,13 @@ def _parse_llava(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
         messages.append({"role": _LLAVA_ROLES[speaker], "text": _string_field(turn, "value", where)})
     images = _image_value_or_list(record, "image")
     answer = _split_final_answer(messages, "conversations", "no final 'gpt' turn to use as the answer", require_answer)
+    _format_last_user_turn(messages, format_prompt)
     columns = _other_fields(record, ("conversations", "image"))
     return ParsedRecord(_to_chat(messages, "conversations"), images, answer, columns)
 
 
-def _parse_swift(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
+def _parse_swift(record: dict[str, Any], require_answer: bool,
+                 format_prompt: Callable[[str], str] | None = None) -> ParsedRecord:
     raw = _list_field(record, "messages")
     messages = []
     for i, message in enumerate(raw):
@@ -184,6 +226,7 @@ def _parse_swift(record: dict[str, Any], require_answer: bool) -> ParsedRecord:
         answer = solution
         if answer is None and require_answer:
             raise RecordError("messages", "no final assistant message and no 'solution' field to use as the answer")
+    _format_last_user_turn(messages, format_prompt)
     columns = _other_fields(record, ("messages", "images", "image"))
     return ParsedRecord(_to_chat(messages, "messages"), images, answer, columns)
 

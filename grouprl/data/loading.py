@@ -14,9 +14,11 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
-from grouprl.data.formats import FORMATS, DataError, RecordError, RecordKeys, detect_format, parse_record
+from grouprl.data.formats import (FORMATS, DataError, RecordError, RecordKeys, detect_format, parse_record,
+                                  prompt_formatter)
 from grouprl.data.images import ImageError, ImageRef, check_image, check_pixel_range, open_image, resolve_image
 from grouprl.data.sample import Sample
 from grouprl.files import RecordsError, read_json_records
@@ -114,6 +116,7 @@ def load_samples(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     system_prompt: str | None = None,
+    format_prompt: str | None = None,
     skip_bad_records: bool = False,
     split: str = "train",
     max_samples: int | None = None,
@@ -130,11 +133,14 @@ def load_samples(
     that many valid records. A bad record raises DataError unless
     ``skip_bad_records``, which leaves it out and counts it. ``id_key`` names the
     field that identifies a record (CheXPO's data uses ``idx``); it becomes ``Sample.id``.
+    ``format_prompt`` is a Jinja template (its text) each prompt is rendered through, as
+    ``{{ content }}`` (EasyR1's ``data.format_prompt``; see ``prompt_formatter``).
     """
     reader = _Reader(
         format=format,
         keys=_record_keys(prompt_key, answer_key, image_key),
         system_prompt=system_prompt,
+        format_prompt=format_prompt,
         require_answer=require_answer,
         skip_bad_records=skip_bad_records,
         max_samples=max_samples,
@@ -161,10 +167,24 @@ def load_datasets(data) -> tuple[SampleDataset, SampleDataset | None]:
     common = dict(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
                   image_key=data.image_key, image_dir=data.image_dir, min_pixels=data.min_pixels,
                   max_pixels=data.max_pixels, system_prompt=data.system_prompt,
+                  format_prompt=read_format_prompt(data.format_prompt),
                   skip_bad_records=data.skip_bad_records, id_key=data.id_key)
     train = load_samples(data.train_files, max_samples=data.max_samples, **common)
     val = load_samples(data.val_files, max_samples=data.val_max_samples, **common) if data.val_files else None
     return train, val
+
+
+def read_format_prompt(path: str | None) -> str | None:
+    """The text of the template file that ``data.format_prompt`` names (None: no template)."""
+    if path is None:
+        return None
+    from grouprl.config import ConfigError
+
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config key 'data.format_prompt': cannot read the template file {path!r} "
+                          f"({exc.strerror or exc})") from exc
 
 
 def samples_from_records(
@@ -179,6 +199,7 @@ def samples_from_records(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     system_prompt: str | None = None,
+    format_prompt: str | None = None,
     skip_bad_records: bool = False,
     max_samples: int | None = None,
     require_answer: bool = True,
@@ -194,6 +215,7 @@ def samples_from_records(
         format=format,
         keys=_record_keys(prompt_key, answer_key, image_key),
         system_prompt=system_prompt,
+        format_prompt=format_prompt,
         require_answer=require_answer,
         skip_bad_records=skip_bad_records,
         max_samples=max_samples,
@@ -215,6 +237,7 @@ class _Reader:
         format: str,
         keys: RecordKeys,
         system_prompt: str | None,
+        format_prompt: str | None,
         require_answer: bool,
         skip_bad_records: bool,
         max_samples: int | None,
@@ -234,6 +257,7 @@ class _Reader:
         self.format = format
         self.keys = keys
         self.system_prompt = system_prompt
+        self.format_prompt = prompt_formatter(format_prompt) if format_prompt is not None else None
         self.require_answer = require_answer
         self.skip_bad_records = skip_bad_records
         self.max_samples = max_samples
@@ -284,7 +308,8 @@ class _Reader:
     def _check(self, record: dict[str, Any], fmt: str, base_dir: str, source: str, index: int) -> _Entry:
         try:
             parsed = parse_record(
-                record, fmt, keys=self.keys, system_prompt=self.system_prompt, require_answer=self.require_answer
+                record, fmt, keys=self.keys, system_prompt=self.system_prompt,
+                format_prompt=self.format_prompt, require_answer=self.require_answer
             )
         except RecordError as exc:
             raise DataError(_where(source, index, exc.field, exc.message)) from exc

@@ -104,12 +104,14 @@ def _from_path(loader, path: str, what: str, **kwargs):
     try:
         return loader(str(local) if local.exists() else path, **kwargs)
     except OSError as exc:
+        # the first line of transformers' message says what is missing; the rest is advice about URLs
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if local.exists():
-            raise OSError(f"could not load the {what} from {path!r}: {exc}") from exc
-        raise OSError(
-            f"{path!r} is not a local directory and the {what} could not be fetched from the Hugging Face hub "
-            f"(offline? set HF_HUB_OFFLINE=1 and use a cached or local copy): {exc}"
-        ) from exc
+            raise ModelPathError(f"could not load the {what} from {path!r}: {reason}", path) from exc
+        raise ModelPathError(
+            f"{path!r} is not a local directory, and the {what} is neither in the Hugging Face cache nor "
+            f"reachable on the hub (offline, or no network): download it where there is a network "
+            f"(hf download {path}) or set the model path to a local copy ({reason})", path) from exc
 
 
 def load_model_and_processor(

@@ -254,3 +254,19 @@ def test_the_command_line_exits_with_the_code_and_one_line(project):
     version = subprocess.run([sys.executable, "-m", "grouprl", "--version"], capture_output=True, text=True, env=env,
                              timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("grouprl ") and version.stderr == ""
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(project, capsys, monkeypatch):
+    # offline, as on a cluster's compute nodes: the hub id is neither cached nor reachable
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(project / "empty_hf_home"))
+    argv = ["generate", "--model", "nobody-here/no-such-model", "--data", f"{project}/data.jsonl",
+            "--out", f"{project}/preds.jsonl"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("grouprl: model error: 'nobody-here/no-such-model' is not a local directory")
+    assert "hf download nobody-here/no-such-model" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -264,6 +266,52 @@ def test_system_prompt_option(tmp_path):
     rec = {"messages": [{"role": "system", "content": "Own."}, {"role": "user", "content": "Hi"}], "solution": "x"}
     s = load_samples(write_jsonl(tmp_path / "s.jsonl", [rec]), system_prompt="Default.")[0]
     assert [m["content"][0]["text"] for m in s.messages] == ["Own.", "Hi"]
+
+
+EASYR1_MATH_TEMPLATE = Path(__file__).parent / "configs" / "format_prompt" / "math.jinja"
+
+
+def test_format_prompt_renders_easyr1s_template_around_the_prompt(tmp_path):
+    make_png(tmp_path / "a.png")
+    template = EASYR1_MATH_TEMPLATE.read_text()
+    records = [{"problem": "<image>  What is 2+2?  ", "answer": "4", "images": ["a.png"]}]
+    s = load_samples(write_jsonl(tmp_path / "t.jsonl", records), format_prompt=template)[0]
+    # EasyR1 renders the raw prompt ({{ content | trim }} trims the whole of it) and only then splits
+    # out the image slots
+    assert contents(s) == [{"type": "image"}, {"type": "text", "text": (
+        "  What is 2+2? You FIRST think about the reasoning process as an internal monologue and then provide "
+        "the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. "
+        "The final answer MUST BE put in \\boxed{}.")}]
+    assert s.answer == "4"
+    # in chat formats, the user turn the policy answers (the last), not the history
+    rec = {"conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "reply"},
+                             {"from": "human", "value": "second"}, {"from": "gpt", "value": "answer"}]}
+    s = load_samples(write_jsonl(tmp_path / "l.jsonl", [rec]), format_prompt="Q: {{ content }}")[0]
+    assert [m["content"][0]["text"] for m in s.messages] == ["first", "reply", "Q: second"]
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ content ", "format_prompt template: unexpected end of template"),
+    ("{{ question }}", "templates get one variable, 'content'"),
+    ("Answer in one word.", "never renders {{ content }}"),
+])
+def test_a_bad_format_prompt_is_refused_before_any_record(tmp_path, template, message):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"problem": "1+1?", "answer": "2"}])
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_samples(path, format_prompt=template)
+
+
+def test_format_prompt_key_reads_the_template_file(tmp_path):
+    from grouprl.config import ConfigError, load_config
+    from grouprl.data import load_datasets
+
+    data = write_jsonl(tmp_path / "t.jsonl", [{"problem": "1+1?", "answer": "2"}])
+    cfg = load_config(None, [f"data.train_files=[{data}]", f"data.format_prompt={EASYR1_MATH_TEMPLATE}"])
+    train, _ = load_datasets(cfg.data)
+    assert contents(train[0])[0]["text"].startswith("1+1? You FIRST think")
+    cfg = load_config(None, [f"data.train_files=[{data}]", f"data.format_prompt={tmp_path}/missing.jinja"])
+    with pytest.raises(ConfigError, match=r"config key 'data.format_prompt': cannot read the template file .*missing"):
+        load_datasets(cfg.data)
 
 
 def test_require_answer_false(tmp_path):

@@ -36,19 +36,16 @@ def wandb_installed(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def test_easyr1_example_refuses_its_prompt_template_only():
+def test_easyr1_example_loads_as_shipped_with_its_prompt_template():
     # format_prompt rewrites every prompt (math.jinja asks for \boxed{} answers the reward reads):
-    # dropping it would train on other prompts, so it is refused, and it is the only refusal.
-    with pytest.raises(ConfigError) as exc:
-        load_config(EASYR1)
-    msg = str(exc.value)
-    assert "'data.format_prompt'" in msg and "data.system_prompt" in msg
-    assert msg.count("'data.") == 1 and "worker." not in msg and "trainer." not in msg
+    # it is kept, and read when the data is (tests/core/test_data.py renders EasyR1's math.jinja)
+    cfg = load_config(EASYR1)
+    assert cfg.data.format_prompt == "./examples/format_prompt/math.jinja"
 
 
 def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     with caplog.at_level(logging.WARNING, logger="grouprl.config.ported_keys"):
-        cfg = load_config(EASYR1, ["data.format_prompt=null"])
+        cfg = load_config(EASYR1)
     # mapped onto grouprl's keys
     assert cfg.trainer.resume == "auto"  # find_last_checkpoint: true, no load_checkpoint_path
     assert cfg.trainer.logger == ["jsonl", "wandb"]  # EasyR1's "file" logger

@@ -43,8 +43,10 @@ def test_quick_flow_demo_end_to_end(tmp_path, capsys, monkeypatch):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out.replace("\n", "")
     assert "Flow-GRPO-Fast" in printed and "summary.json" in printed
-    # a smoke run says so (and what the full run shows) rather than leaving its table to be read as a result
-    assert " ".join(printed.split()).count("--quick is a smoke run") == 1
+    # the quick run is small, not degenerate: the pretrained model already draws what many prompts ask
+    assert summary["pretrained"]["mean_reward"] > 0.3
+    # and it says what it is, and what the full run shows
+    assert " ".join(printed.split()).count("--quick is the demo made small") == 1
 
 
 def test_flow_demo_is_its_own_demo(tmp_path, capsys):

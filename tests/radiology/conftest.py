@@ -31,3 +31,19 @@ def cxr_data(tmp_path_factory):
         return written[n, seed, format]
 
     return get
+
+
+
+@pytest.fixture(scope="session")
+def demo_plumbing_sizes():
+    """The radiology demo's plumbing (seeds, variants, resume) at the smallest sizes that still draw a
+    curve: the --quick sizes are for people, and test_report_demo runs them once."""
+    return dict(train=96, val=16, sft_epochs=1, grpo_steps=5, n=4, prompts_per_step=8)
+
+
+@pytest.fixture
+def plumbing_sizes(monkeypatch, demo_plumbing_sizes):
+    """`grouprl demo --quick` at ``demo_plumbing_sizes`` for one test."""
+    from grouprl.domains.radiology import demo
+
+    monkeypatch.setattr(demo, "QUICK", demo_plumbing_sizes)

@@ -178,6 +178,14 @@ def test_seeds_refuses_a_directory_holding_another_run(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["seed_0", "seed_1"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _plumbing_sizes(demo_plumbing_sizes):
+    """Every test here runs the demo at the plumbing sizes (tests/radiology/conftest.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo, "QUICK", demo_plumbing_sizes)
+        yield
+
+
 @pytest.fixture(scope="module")
 def two_seeds(tmp_path_factory):
     """`grouprl demo --quick --compare --seeds 2 --seed 5` once, for the tests below to read or copy."""

@@ -75,5 +75,8 @@ def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, 
     assert (out / "guided_rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out.replace("\n", "")  # rich wraps long paths at the console's width
     assert "SFT+Guided-GRPO" in printed and "summary.json" in printed
-    # a smoke run says so (and what the full run shows) rather than leaving its table to be read as a result
-    assert " ".join(printed.split()).count("--quick is a smoke run") == 1
+    # the quick run is small, not degenerate: the SFT model answers in the format, and some answers are right
+    assert summary["models"]["SFT"]["format_rate"] >= 0.5
+    assert any(row["accuracy"] > 0 for row in summary["models"].values())
+    # and it says what it is, and what the full run shows
+    assert " ".join(printed.split()).count("--quick is the demo made small") == 1

@@ -25,14 +25,16 @@ from pathlib import Path
 
 import torch
 
-from grouprl.files import AtomicFile, read_json_records, write_text_atomic
+from grouprl.files import write_text_atomic
+from grouprl.trainer.curves import curve_line, plot_reward_curves
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
-QUICK = dict(pretrain_steps=60, pretrain_batch=16, pairs=256, grpo_steps=2, prompts_per_step=2, n=4, held_out=8)
-# --quick runs every stage too briefly for the tiny model to learn to draw: said plainly
-QUICK_NOTE = ("--quick is a smoke run of the pipeline: 60 pretraining steps leave the model drawing noise, so the "
-              "table and samples.png are not a result. The full run (grouprl demo --flow, about 4-5 minutes on 2 CPU "
-              "cores) takes the held-out reward from about 0.78 to 0.90 with Flow-GRPO-Fast.")
+# --quick: every stage in about a minute of CPU, long enough a pretraining that the model draws squares
+QUICK = dict(pretrain_steps=1200, pretrain_batch=16, pairs=2048, grpo_steps=8, prompts_per_step=2, n=4, held_out=16)
+QUICK_NOTE = (f"--quick is the demo made small ({QUICK['pretrain_steps']} pretraining steps, {QUICK['grpo_steps']} RL steps, "
+              f"{QUICK['held_out']} held-out prompts), so its "
+              "numbers are noisy. The full run (grouprl demo --flow, about 4-5 minutes on 2 CPU cores) takes the "
+              "held-out reward from about 0.78 to 0.90 with Flow-GRPO-Fast.")
 IMAGE_SIZE = 16
 EVAL_STEPS = 20
 TRAIN_PROMPTS = 512  # the prompt pool RL draws from (training combinations only)
@@ -72,32 +74,6 @@ def evaluate(model, prompts: list[str], *, seed: int) -> dict:
                         height=IMAGE_SIZE, width=IMAGE_SIZE)
     scores = shapes_reward(images, prompts)
     return {"mean_reward": sum(scores) / len(scores), "scores": scores, "images": images}
-
-
-def plot_curve(metrics_file: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_json_records(metrics_file)
-    rows = [r for r in rows if "reward/mean" in r]
-    steps, means = [r["step"] for r in rows], [r["reward/mean"] for r in rows]
-    window = 5
-    smooth = [sum(means[max(0, i - window + 1):i + 1]) / len(means[max(0, i - window + 1):i + 1])
-              for i in range(len(means))]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    (line,) = ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
-    ax.plot(steps, means, marker="o", markersize=2, alpha=0.3, color=line.get_color(), label="per step")
-    ax.set_xlabel("Flow-GRPO-Fast step")
-    ax.set_ylabel("mean training reward (shapes, SDE samples)")
-    ax.set_title("grouprl demo --flow: Flow-GRPO-Fast on coloured squares")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    with AtomicFile(png, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=110)
-    plt.close(fig)
 
 
 def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, seed: int = 0) -> dict:
@@ -172,9 +148,13 @@ def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, se
 
     k = min(16, len(held_out))
     grid = save_grid(before["images"][:k] + after["images"][:k], out / "samples.png", columns=k,
-                     captions=[f"{s:.2f}" for s in before["scores"][:k] + after["scores"][:k]])
-    curve = out / "reward_curve.png"
-    plot_curve(out / "flow_grpo_fast" / "metrics.jsonl", curve)
+                     captions=[f"{p}\nreward {s:.2f}" for p, s in zip(held_out[:k] * 2,
+                                                                      before["scores"][:k] + after["scores"][:k])],
+                     row_labels=list(rows))
+    curves = {"Flow-GRPO-Fast": out / "flow_grpo_fast" / "metrics.jsonl"}
+    curve = plot_reward_curves(curves, out / "reward_curve.png", xlabel="Flow-GRPO-Fast step",
+                               ylabel="mean training reward\n(shapes, SDE samples)",
+                               title="grouprl demo --flow: Flow-GRPO-Fast on coloured squares")
     summary = {
         "task": "coloured squares placed as the prompt asks (grouprl.domains.diffusion.shapes), 16x16 RGB",
         "algorithm": "flow_grpo_fast",
@@ -191,10 +171,10 @@ def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, se
         "seconds": seconds,
         "wall_seconds": time.perf_counter() - t_start,
         "samples": str(grid),
-        "reward_curve": str(curve),
+        "reward_curve": str(curve) if curve else None,
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(f"samples (top: pretrained, bottom: trained): {grid.resolve()}")
-    console.print(f"reward curve: {curve.resolve()}")
+    console.print(curve_line(curve, "reward curve", curves))
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary

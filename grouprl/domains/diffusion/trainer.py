@@ -507,5 +507,7 @@ class FlowGRPOTrainer(TrainingLoop):
         if self.is_main and rollout.val_images_to_log > 0:
             k = rollout.val_images_to_log
             save_grid(images[:k], self.run_dir / "val_images" / f"step_{step:06d}.png",
-                      captions=[f"{p[:40]} ({s:.2f})" for p, s in zip(prompts[:k], result.total[:k])])
+                      # long prompts shortened: the caption wraps, so it grows with the text
+                      captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
+                                for p, s in zip(prompts[:k], result.total[:k])])
         return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)])
