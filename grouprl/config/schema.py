@@ -39,6 +39,9 @@ class DataConfig:
     system_prompt: str | None = None
     # a Jinja template file each prompt is rendered through as {{ content }} (EasyR1's format_prompt)
     format_prompt: str | None = None
+    # extra variables for the chat template, on every prompt and dialogue turn, e.g. {enable_thinking: false}
+    # for Qwen3 (TRL's chat_template_kwargs); a record's own chat_template_kwargs overrides them key by key
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_prompt_length: int = 1024

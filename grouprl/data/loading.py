@@ -42,6 +42,7 @@ class _Entry:
     columns: dict[str, Any]
     source: str
     index: int
+    chat_template_kwargs: dict[str, Any]
 
 
 class SampleDataset(Sequence):
@@ -99,6 +100,7 @@ class SampleDataset(Sequence):
             columns=columns,
             source=entry.source,
             index=entry.index,
+            chat_template_kwargs=copy.deepcopy(entry.chat_template_kwargs),
         )
 
     def __repr__(self) -> str:
@@ -117,6 +119,7 @@ def load_samples(
     max_pixels: int | None = None,
     system_prompt: str | None = None,
     format_prompt: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     skip_bad_records: bool = False,
     split: str = "train",
     max_samples: int | None = None,
@@ -135,12 +138,16 @@ def load_samples(
     field that identifies a record (CheXPO's data uses ``idx``); it becomes ``Sample.id``.
     ``format_prompt`` is a Jinja template (its text) each prompt is rendered through, as
     ``{{ content }}`` (EasyR1's ``data.format_prompt``; see ``prompt_formatter``).
+    ``chat_template_kwargs`` become every sample's ``chat_template_kwargs`` (extra chat template
+    variables, e.g. ``{"enable_thinking": False}``); a record's own ``chat_template_kwargs`` field
+    (an object) overrides them key by key, as in TRL.
     """
     reader = _Reader(
         format=format,
         keys=_record_keys(prompt_key, answer_key, image_key),
         system_prompt=system_prompt,
         format_prompt=format_prompt,
+        chat_template_kwargs=chat_template_kwargs,
         require_answer=require_answer,
         skip_bad_records=skip_bad_records,
         max_samples=max_samples,
@@ -168,6 +175,7 @@ def load_datasets(data) -> tuple[SampleDataset, SampleDataset | None]:
                   image_key=data.image_key, image_dir=data.image_dir, min_pixels=data.min_pixels,
                   max_pixels=data.max_pixels, system_prompt=data.system_prompt,
                   format_prompt=read_format_prompt(data.format_prompt),
+                  chat_template_kwargs=data.chat_template_kwargs,
                   skip_bad_records=data.skip_bad_records, id_key=data.id_key)
     train = load_samples(data.train_files, max_samples=data.max_samples, **common)
     val = load_samples(data.val_files, max_samples=data.val_max_samples, **common) if data.val_files else None
@@ -200,6 +208,7 @@ def samples_from_records(
     max_pixels: int | None = None,
     system_prompt: str | None = None,
     format_prompt: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     skip_bad_records: bool = False,
     max_samples: int | None = None,
     require_answer: bool = True,
@@ -216,6 +225,7 @@ def samples_from_records(
         keys=_record_keys(prompt_key, answer_key, image_key),
         system_prompt=system_prompt,
         format_prompt=format_prompt,
+        chat_template_kwargs=chat_template_kwargs,
         require_answer=require_answer,
         skip_bad_records=skip_bad_records,
         max_samples=max_samples,
@@ -239,6 +249,7 @@ class _Reader:
         system_prompt: str | None,
         format_prompt: str | None,
         require_answer: bool,
+        chat_template_kwargs: dict[str, Any] | None,
         skip_bad_records: bool,
         max_samples: int | None,
         min_pixels: int | None,
@@ -258,6 +269,10 @@ class _Reader:
         self.keys = keys
         self.system_prompt = system_prompt
         self.format_prompt = prompt_formatter(format_prompt) if format_prompt is not None else None
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise DataError(f"chat_template_kwargs must be a mapping of template variables, "
+                            f"got {type(chat_template_kwargs).__name__}")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.require_answer = require_answer
         self.skip_bad_records = skip_bad_records
         self.max_samples = max_samples
@@ -322,7 +337,18 @@ class _Reader:
                 raise DataError(_where(source, index, field_name, str(exc))) from exc
             fields.append(field_name)
             refs.append(ref)
-        return _Entry(parsed.messages, fields, refs, parsed.answer, parsed.columns, source, index)
+        kwargs = self._chat_template_kwargs(parsed.columns.pop("chat_template_kwargs", None), source, index)
+        return _Entry(parsed.messages, fields, refs, parsed.answer, parsed.columns, source, index, kwargs)
+
+    def _chat_template_kwargs(self, own: Any, source: str, index: int) -> dict[str, Any]:
+        """The run's chat template kwargs with the record's own (its ``chat_template_kwargs`` field) over them."""
+        if own is None:
+            return dict(self.chat_template_kwargs)
+        if not isinstance(own, dict):
+            raise DataError(_where(source, index, "chat_template_kwargs",
+                                   f"expected an object of chat template variables, got {type(own).__name__}"))
+        # a parquet struct column gives every row every key, null where the row had none
+        return {**self.chat_template_kwargs, **{k: v for k, v in own.items() if v is not None}}
 
 
 def _record_keys(prompt_key: str | None, answer_key: str | None, image_key: str | None) -> RecordKeys:

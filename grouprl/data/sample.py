@@ -19,7 +19,9 @@ class Sample:
     ``answer`` is the reference response: the SFT target and what rewards compare
     against. ``columns`` holds the record's other fields; reward functions receive
     them as keyword columns, TRL style. ``source`` and ``index`` say where the
-    record came from, for error messages and logs.
+    record came from, for error messages and logs. ``chat_template_kwargs`` are passed to
+    the chat template with the messages, on every turn (e.g. ``{"enable_thinking": False}``
+    for Qwen3; ``data.chat_template_kwargs``, overridden key by key by the record's own).
     """
 
     messages: list[dict[str, Any]]
@@ -28,6 +30,7 @@ class Sample:
     columns: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
     index: int = 0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:

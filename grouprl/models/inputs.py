@@ -54,7 +54,8 @@ def is_multimodal_processor(processor) -> bool:
 
 
 def render_prompt(processor, sample: Sample) -> str:
-    """The sample's messages through the chat template, ending with the assistant turn's header."""
+    """The sample's messages through the chat template (with ``sample.chat_template_kwargs``), ending
+    with the assistant turn's header."""
     n_slots = _count_image_slots(sample)
     if n_slots != len(sample.images):
         raise ValueError(
@@ -66,7 +67,24 @@ def render_prompt(processor, sample: Sample) -> str:
     renderer = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
     if getattr(renderer, "chat_template", None) is None:
         raise ValueError(f"{type(renderer).__name__} has no chat template; set processor.chat_template")
-    return renderer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
+    messages = sample.messages if is_multimodal_processor(processor) else _text_messages(sample.messages)
+    return renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                        **sample.chat_template_kwargs)
+
+
+def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each content made of text items alone joined into one string.
+
+    A text model's template takes a message's content as a string (Qwen2.5-Instruct's and Qwen3's
+    concatenate it), while samples hold content items; a message with an image slot is left as it
+    is, for ``encode_sample`` to refuse."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and all(item.get("type") == "text" for item in content):
+            message = {**message, "content": "".join(item["text"] for item in content)}
+        out.append(message)
+    return out
 
 
 def _count_image_slots(sample: Sample) -> int:
@@ -80,15 +98,15 @@ def _count_image_slots(sample: Sample) -> int:
 
 def encode_sample(processor, sample: Sample) -> dict[str, torch.Tensor]:
     """Processor output for one sample (batch dimension 1), images included."""
+    if sample.images and not is_multimodal_processor(processor):
+        raise ValueError(
+            f"sample {sample.id} has {len(sample.images)} image(s) but {type(processor).__name__} "
+            "is a text-only tokenizer; use a vision-language model or drop the images"
+        )
     text = render_prompt(processor, sample)
     # The template already wrote every special token the model expects; a second
     # BOS from the tokenizer would shift the prompt away from what the model saw in training.
     if sample.images:
-        if not is_multimodal_processor(processor):
-            raise ValueError(
-                f"sample {sample.id} has {len(sample.images)} image(s) but {type(processor).__name__} "
-                "is a text-only tokenizer; use a vision-language model or drop the images"
-            )
         return dict(processor(text=[text], images=list(sample.images), return_tensors="pt", add_special_tokens=False))
     if is_multimodal_processor(processor):
         return dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))

@@ -110,25 +110,30 @@ def problem_text(sample: Sample) -> str:
     return ""
 
 
-def turn_boundary_ids(processor, message: str, *, after_end_of_turn: bool) -> list[int]:
+def turn_boundary_ids(processor, message: str, *, after_end_of_turn: bool,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids between two policy turns: the end of the assistant turn, ``message`` as a user
-    turn, and the next assistant header, exactly as the model's chat template renders them.
+    turn, and the next assistant header, exactly as the model's chat template renders them
+    (with ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``).
 
-    The template is rendered around a stand-in assistant turn and only what follows it is
-    tokenized, so the policy's own sampled ids are never re-encoded. When the turn ended
-    with its end-of-turn token (sampled), that token is not repeated.
+    The template is rendered around a stand-in assistant turn followed by ``message`` and the
+    generation prompt, and only what follows the stand-in is tokenized, so the policy's own
+    sampled ids are never re-encoded. When the turn ended with its end-of-turn token (sampled),
+    that token is not repeated.
     """
     renderer = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
     tokenizer = tokenizer_of(processor)
-    stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-    before = renderer.apply_chat_template(stub, tokenize=False, add_generation_prompt=False)
-    after = renderer.apply_chat_template(stub + [{"role": "user", "content": message}], tokenize=False,
-                                         add_generation_prompt=True)
-    cut = before.index(_MARK) + len(_MARK)
-    if after[:cut] != before[:cut]:
-        raise ValueError("the chat template renders earlier turns differently once a user turn follows; "
-                         "the dialogue cannot be continued in token space")
-    tail = after[cut:]
+    # How the template renders the turns before the stand-in does not matter (the dialogue keeps the
+    # ids it has), and may change once a user turn follows: Qwen3 writes an empty <think></think>
+    # block into the last assistant turn only.
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK},
+                {"role": "user", "content": message}]
+    rendered = renderer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            **(chat_template_kwargs or {}))
+    if rendered.count(_MARK) != 1:
+        raise ValueError(f"the chat template writes an assistant turn's content {rendered.count(_MARK)} time(s), "
+                         "not once, so the text between two turns cannot be cut out of it")
+    tail = rendered.split(_MARK, 1)[1]
     end_token = _end_of_turn_text(tokenizer)
     if after_end_of_turn and end_token and tail.startswith(end_token):
         tail = tail[len(end_token):]
@@ -180,7 +185,8 @@ class MultiTurnRollout:
                 break
             for d in going:
                 message = self._next_user_message(d)
-                ids = turn_boundary_ids(self.processor, message, after_end_of_turn=not d.truncated)
+                ids = turn_boundary_ids(self.processor, message, after_end_of_turn=not d.truncated,
+                                        chat_template_kwargs=d.sample.chat_template_kwargs)
                 d.segments.append(Segment(torch.tensor(ids, dtype=torch.long), policy=False, text=message))
             seed = None if params.seed is None else params.seed + 1_000_003 * turn
             step = engine.generate([d.sample for d in going], replace(params, n=1, seed=seed),
