@@ -193,3 +193,17 @@ def test_a_record_whose_chat_template_kwargs_are_not_an_object_is_named():
 
     with pytest.raises(DataError, match=r"record 0: field 'chat_template_kwargs': expected an object"):
         samples_from_records([{"problem": PROBLEM, "answer": "5", "chat_template_kwargs": "enable_thinking=false"}])
+
+
+def test_a_parquet_column_of_chat_template_kwargs_overrides_only_the_keys_a_row_set(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from grouprl.data.loading import load_samples
+
+    rows = [{"problem": PROBLEM, "answer": "5", "chat_template_kwargs": {"enable_thinking": True}},
+            {"problem": PROBLEM, "answer": "5", "chat_template_kwargs": {"add_vision_id": True}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")  # a struct column: each row gets both keys
+    samples = load_samples(tmp_path / "train.parquet", chat_template_kwargs=NO_THINKING)
+    assert samples[0].chat_template_kwargs == {"enable_thinking": True}
+    assert samples[1].chat_template_kwargs == {"enable_thinking": False, "add_vision_id": True}
