@@ -22,7 +22,8 @@ from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import SamplingParams
 from grouprl.rollout.multiturn import turn_boundary_ids
 
-from test_multiturn import ScriptedVerifier, rollout  # helpers (`paths`: tests/conftest.py)
+from test_engine import with_eos_bias  # helpers (`paths`, `text_task`: tests/conftest.py)
+from test_multiturn import ScriptedVerifier, guided_config, rollout
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TEXT_TEMPLATES = ("Qwen2.5-Instruct", "Qwen3")
@@ -73,7 +74,8 @@ def problem_samples(name: str, kwargs: dict):
     """One sample as the loader makes it (content items; a picture for the VL templates), with ``kwargs``."""
     record = {"problem": PROBLEM, "answer": "5"}
     if name not in TEXT_TEMPLATES:
-        record = {"problem": "<image>" + PROBLEM, "answer": "5", "images": [Image.new("RGB", (56, 56), (200, 30, 30))]}
+        picture = Image.new("RGB", (56, 56), (200, 30, 30))
+        record = {"problem": "<image>" + PROBLEM, "answer": "5", "images": [picture]}
     return list(samples_from_records([record], chat_template_kwargs=kwargs))
 
 
@@ -85,7 +87,8 @@ class ScriptedEngine:
         self.processor = processor
         tokenizer = tokenizer_of(processor)
         self.texts = turns
-        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + [end_of_turn_id(processor)] for t in turns]
+        end = end_of_turn_id(processor)
+        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + [end] for t in turns]
         self.contexts: list[list[torch.Tensor]] = []
 
     def generate(self, samples, params, prompts=None) -> RolloutBatch:
@@ -100,7 +103,8 @@ class ScriptedEngine:
         response = torch.tensor([self.turns[turn]] * len(rows), dtype=torch.long)
         return RolloutBatch(samples=list(samples), group_index=torch.arange(len(samples)), prompt_ids=prompt_ids,
                             prompt_mask=prompt_mask, response_ids=response, response_mask=torch.ones_like(response),
-                            responses=[self.texts[turn]] * len(rows), truncated=torch.zeros(len(rows), dtype=torch.bool),
+                            responses=[self.texts[turn]] * len(rows),
+                            truncated=torch.zeros(len(rows), dtype=torch.bool),
                             model_inputs=list(inputs))
 
 
@@ -156,9 +160,9 @@ def test_a_turn_cut_off_gets_its_end_of_turn_token_from_the_template(processors,
 def test_a_template_that_repeats_the_assistant_turn_is_named(processors):
     processor = processors("Qwen2.5-Instruct")
     # writes every message twice: the text after "the" assistant turn is not one thing
-    processor.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.content }}"
-                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(ValueError, match=r"the chat template writes an assistant turn's content 2 time\(s\), not once"):
+    processor.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.content }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match=r"chat template writes an assistant turn's content 2 time\(s\), not once"):
         turn_boundary_ids(processor, "Again.", after_end_of_turn=True)
 
 
@@ -207,3 +211,43 @@ def test_a_parquet_column_of_chat_template_kwargs_overrides_only_the_keys_a_row_
     samples = load_samples(tmp_path / "train.parquet", chat_template_kwargs=NO_THINKING)
     assert samples[0].chat_template_kwargs == {"enable_thinking": True}
     assert samples[1].chat_template_kwargs == {"enable_thinking": False, "add_vision_id": True}
+
+
+@pytest.fixture(scope="module")
+def sums(text_task):
+    """Sums to answer in the box format, and a tiny text LM for them."""
+    records = [{"problem": f"What is {a} plus {b}? Answer as <answer>\\\\boxed{{N}}</answer>.", "answer": str(a + b)}
+               for a in range(1, 5) for b in range(1, 4)]
+    return text_task(records, ["<answer>\\boxed{7}</answer>", "Not yet correct. Try again?"])
+
+
+def test_guided_training_runs_a_qwen3_policy_without_thinking(sums, tmp_path):
+    """The trainer end to end: a text policy saved with Qwen3's template, data.chat_template_kwargs
+    turning its thinking off on the first prompt and at every turn boundary."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from grouprl.config import config_from_dict
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    model = shutil.copytree(sums.model, tmp_path / "qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = template_text("Qwen3")
+    tokenizer.save_pretrained(model)
+    config = guided_config(sums, tmp_path / "run", **{
+        "worker.actor.model.model_path": str(model), "data.chat_template_kwargs": NO_THINKING,
+        "trainer.max_steps": 1, "trainer.val_freq": -1})
+    trainer = GRPOTrainer(config_from_dict(config))
+    # turns that end (rather than run out of tokens) go on to the next: the random policy ends them often
+    with_eos_bias(trainer.policy, tokenizer.convert_tokens_to_ids("<|im_end|>"), probability=0.3)
+    trainer.train()
+    batch = trainer.last_step.batch
+    for row in range(len(batch)):
+        prompt = tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist())
+        assert prompt.endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+        for start, end, kind in batch.extras["spans"][row]:
+            if kind == "between":
+                assert tokenizer.decode(batch.response_ids[row, start:end].tolist()).endswith(
+                    "<|im_end|>\n<|im_start|>assistant\n" + EMPTY_THINK)
+    assert max(batch.extras["num_turns"]) > 1, "no dialogue went past its first turn"
