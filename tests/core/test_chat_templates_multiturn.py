@@ -160,8 +160,9 @@ def test_a_turn_cut_off_gets_its_end_of_turn_token_from_the_template(processors,
 def test_a_template_that_repeats_the_assistant_turn_is_named(processors):
     processor = processors("Qwen2.5-Instruct")
     # writes every message twice: the text after "the" assistant turn is not one thing
-    processor.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.content }}<|im_end|>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    processor.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.content }}"
+                               "<|im_end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(ValueError, match=r"chat template writes an assistant turn's content 2 time\(s\), not once"):
         turn_boundary_ids(processor, "Again.", after_end_of_turn=True)
 
