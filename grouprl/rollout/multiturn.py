@@ -72,7 +72,6 @@ class Dialogue:
     replies: list = field(default_factory=list)  # VerifierReply after each policy turn
     stop_reason: str | None = None
     truncated: bool = False  # the last policy turn ran out of tokens before its end-of-turn token
-    at_limit: bool = False  # the response has reached max_dialogue_tokens: no further turn fits
 
     @property
     def response_tokens(self) -> int:
@@ -207,9 +206,7 @@ class MultiTurnRollout:
             # the verifier answers every policy turn, the last included (its score counts)
             self._ask_verifier(dialogues, validation)
             for d in dialogues:
-                if d.open and d.at_limit:
-                    d.stop_reason = "length"
-                elif d.open and turn == self.config.max_turns:
+                if d.open and turn == self.config.max_turns:
                     d.stop_reason = "max_turns"
             for d in dialogues:
                 if not d.open:
@@ -218,7 +215,8 @@ class MultiTurnRollout:
                 ids = turn_boundary_ids(self.processor, message, after_end_of_turn=not d.truncated)
                 limit = self.config.max_dialogue_tokens
                 if limit is not None and d.response_tokens + len(ids) >= limit:
-                    d.stop_reason = "length"  # the text before the next turn leaves no room for it
+                    # max_dialogue_tokens reached (a turn cut at it included): no room for another turn
+                    d.stop_reason = "length"
                     continue
                 d.segments.append(Segment(torch.tensor(ids, dtype=torch.long), policy=False, text=message))
             going = [d for d in dialogues if d.open]
@@ -253,15 +251,13 @@ class MultiTurnRollout:
         limit = self.config.max_dialogue_tokens
         if limit is not None:
             room = limit - d.response_tokens
-            if len(ids) >= room:
+            if len(ids) > room:
                 # Cutting a sampled turn at the limit is the turn the engine would have sampled with
                 # that limit (tokens come one at a time), so its log-probs stay exact.
-                d.at_limit = True
-                if len(ids) > room:
-                    ids = ids[:room]
-                    log_probs = None if log_probs is None else log_probs[:room]
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    truncated = True
+                ids = ids[:room]
+                log_probs = None if log_probs is None else log_probs[:room]
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                truncated = True
         d.segments.append(Segment(ids, policy=True, log_probs=log_probs, text=text))
         d.turns.append(text)
         # A turn cut off at its token limit goes to the verifier like any other (the seed's
