@@ -244,9 +244,22 @@ class VerifierConfig:
     """
 
     enable: bool = False
-    max_turns: int = 10  # policy turns per dialogue, the first included
+    max_turns: int = 20  # policy turns per dialogue, the first included (the seed's default; its examples set 10)
+    # Most tokens per policy turn; None = data.max_response_length. A turn cut off at this limit is
+    # still answered by the verifier and the dialogue goes on (as in the seed).
+    max_tokens_per_turn: int | None = None
+    # Most response tokens per dialogue (policy turns and the text between them); None = no limit
+    # but max_turns (the seed has none). A dialogue that reaches it ends with stop reason `length`,
+    # its last turn cut at the limit (sampling stops there as if the engine had been told so).
+    max_dialogue_tokens: int | None = None
     stop_token: str = "###STOP###"
-    prompt_template: str = DEFAULT_VERIFIER_TEMPLATE  # the verifier's system message
+    # The verifier's system message. The published ruitongl/Guided-Verifier-8B was fine-tuned on the
+    # seed's teacher prompt, not on this default (grouprl's wording): serve it with the seed's
+    # prompt through prompt_template_file.
+    prompt_template: str = DEFAULT_VERIFIER_TEMPLATE
+    # A UTF-8 text file whose contents are the system message instead of prompt_template (which must
+    # then stay at its default); read when the verifier is built.
+    prompt_template_file: str | None = None
     enable_hallucination_score: bool = True  # parse "[SCORE] hallucination_detect=0|1" from replies
     # final_turn: train on the last policy turn only (the seed's original); full_turn: on every policy turn
     train_scope: str = field(default="full_turn", metadata=choices("final_turn", "full_turn"))
@@ -304,6 +317,19 @@ class VerifierConfig:
             raise ConfigError(f"config key '{key}.stop_token' must not be empty or blank")
         if not self.prompt_template.strip():
             raise ConfigError(f"config key '{key}.prompt_template' is empty")
+        if self.prompt_template_file is not None:
+            if not str(self.prompt_template_file).strip():
+                raise ConfigError(f"config key '{key}.prompt_template_file' is empty; leave it out (null) to use "
+                                  f"'{key}.prompt_template'")
+            if self.prompt_template != DEFAULT_VERIFIER_TEMPLATE:
+                raise ConfigError(f"config key '{key}.prompt_template_file' is set and so is '{key}.prompt_template'; "
+                                  "set one of them")
+        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
+            raise ConfigError(f"config key '{key}.max_tokens_per_turn' must be >= 1 or null; "
+                              f"got {self.max_tokens_per_turn}")
+        if self.max_dialogue_tokens is not None and self.max_dialogue_tokens < 1:
+            raise ConfigError(f"config key '{key}.max_dialogue_tokens' must be >= 1 or null; "
+                              f"got {self.max_dialogue_tokens}")
         if not self.continue_message.strip():
             raise ConfigError(f"config key '{key}.continue_message' is empty")
         if self.temperature < 0:
@@ -333,7 +359,8 @@ class VerifierConfig:
                               "set one of them")
         if not (self.enable or building):
             return
-        if self.stop_token not in self.prompt_template:
+        # a template file is checked for the stop token when it is read (grouprl.rollout.verifier)
+        if self.prompt_template_file is None and self.stop_token not in self.prompt_template:
             raise ConfigError(f"config key '{key}.prompt_template' never mentions the stop token "
                               f"{self.stop_token!r} ('{key}.stop_token'): the verifier could not end a dialogue")
         backend = self.resolved_backend

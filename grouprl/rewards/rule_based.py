@@ -26,6 +26,10 @@ _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _THINK_THEN_REST = re.compile(r"\s*<think>.*?</think>(.*)", re.DOTALL)
 _WHITESPACE = re.compile(r"\s+")
+# The seed's normalisation before its final-answer rule and its grading: whitespace around every
+# "<", ">" and "/" removed (the seed's fix for models that write "< answer >"), so
+# "< answer >\boxed{2}</ answer >" is a final answer.
+_TAG_SPACE = re.compile(r"\s*(<|>|/)\s*")
 
 
 # ---------------------------------------------------------------- answer extraction
@@ -44,29 +48,55 @@ def _boxed_contents(text: str) -> list[str]:
         m = _BOXED_OPEN.search(text, pos)
         if m is None:
             return found
-        start = m.end()
-        depth, i = 1, start
-        while i < len(text) and depth:
-            ch = text[i]
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-            i += 1
-        if depth == 0:
-            found.append(text[start : i - 1])
-            pos = i  # groups nested in this one are part of it, not separate answers
+        end = _group_end(text, m.end())
+        if end is not None:
+            found.append(text[m.end() : end])
+            pos = end + 1  # groups nested in this one are part of it, not separate answers
         else:
             pos = m.start() + 1
+
+
+def _group_end(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the group whose content starts at ``start``, or None if it stays open."""
+    depth, i = 1, start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
 
 
 def extract_boxed(text: str) -> str | None:
     """The content of the last complete ``\\boxed{...}`` in ``text`` (stripped), or None if there is none."""
     contents = _boxed_contents(text)
     return contents[-1].strip() if contents else None
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{`` in ``text`` (stripped), None when there is none or it is left open.
+
+    What the seed grades: the last box anywhere in the response, and nothing when that
+    box never closes (a truncated answer does not fall back to an earlier box).
+    """
+    opens = list(_BOXED_OPEN.finditer(text))
+    if not opens:
+        return None
+    start = opens[-1].end()
+    end = _group_end(text, start)
+    return None if end is None else text[start:end].strip()
+
+
+def normalize_tags(text: str) -> str:
+    """``text`` with the whitespace around every ``<``, ``>`` and ``/`` removed, as the seed normalises responses."""
+    return _TAG_SPACE.sub(r"\1", text)
 
 
 def extract_answer(text: str) -> str:
@@ -183,8 +213,10 @@ def has_final_answer(turn: str) -> bool:
 
     This is the condition under which a STOP ends a dialogue (otherwise the policy is
     asked to give its answer in the required format), and the rewards' format rule.
-    A ``\\boxed{`` left open counts as a second, broken box.
+    A ``\\boxed{`` left open counts as a second, broken box. The turn is first
+    normalised as the seed does (:func:`normalize_tags`), so ``< answer >`` counts.
     """
+    turn = normalize_tags(turn)
     if turn.count(_ANSWER_OPEN) != 1 or turn.count(_ANSWER_CLOSE) != 1:
         return False
     span = _ANSWER_SPAN.search(turn)
@@ -201,7 +233,7 @@ def final_answer(turn: str) -> str | None:
     """The boxed content of a turn's final answer (see :func:`has_final_answer`), or None."""
     if not has_final_answer(turn):
         return None
-    return extract_boxed(_ANSWER_SPAN.search(turn).group(1))
+    return extract_boxed(_ANSWER_SPAN.search(normalize_tags(turn)).group(1))
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -343,9 +375,10 @@ def guided_reward(
 ) -> list[float | None]:
     """Guided-GRPO's reward: accuracy_weight * accuracy + format_weight * format + hallucination_weight * h.
 
-    accuracy: 1 when the completion's final answer (the ``\\boxed{}`` in its one
-    ``<answer>``) equals the reference (:func:`answers_match`), else 0; format: 1 when
-    it has such a final answer (:func:`has_final_answer`); h: the verifier's mean
+    accuracy: 1 when the last ``\\boxed{}`` anywhere in the completion (:func:`last_boxed`,
+    after the seed's :func:`normalize_tags`) equals the reference (:func:`answers_match`),
+    else 0, whether or not it sits in a valid ``<answer>``, as the seed grades; format: 1
+    when it has a final answer (:func:`has_final_answer`); h: the verifier's mean
     hallucination score for the dialogue (column ``verifier_hallucination_score``), 0.5
     when the column is absent or None, as the seed scores a dialogue without scores.
     The seed's weights are 0.8 / 0.1 / 0.1. A row without a reference gets None.
@@ -358,8 +391,9 @@ def guided_reward(
         if gold is None:
             out.append(None)
             continue
-        predicted = final_answer(completion)
+        normalized = normalize_tags(completion)
+        predicted = last_boxed(normalized)
         accurate = predicted is not None and answers_match(extract_answer(str(gold)), predicted)
-        out.append(accuracy_weight * float(accurate) + format_weight * float(predicted is not None)
+        out.append(accuracy_weight * float(accurate) + format_weight * float(has_final_answer(normalized))
                    + hallucination_weight * (0.5 if h is None else float(h)))
     return out

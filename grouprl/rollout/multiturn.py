@@ -2,7 +2,10 @@
 
 Each sampled response becomes a dialogue: the policy answers, a verifier replies
 (a correction, a hint, or STOP), the policy answers again, ... for at most
-``max_turns`` policy turns. A dialogue ends when the verifier says STOP and the
+``max_turns`` policy turns of at most ``max_tokens_per_turn`` tokens each (and, when
+set, ``max_dialogue_tokens`` response tokens in all). A turn cut off at its token
+limit is answered by the verifier like any other and the dialogue goes on (the
+seed's behaviour). A dialogue ends when the verifier says STOP and the
 last policy turn holds a final answer (exactly one ``<answer>`` with exactly one
 ``\\boxed{}``); a STOP without one asks the policy to continue and answer in that
 format. A verifier that fails is counted, and under ``on_failure: stop`` its
@@ -71,6 +74,11 @@ class Dialogue:
     truncated: bool = False  # the last policy turn ran out of tokens before its end-of-turn token
 
     @property
+    def response_tokens(self) -> int:
+        """Tokens of the response so far: policy turns and the text between them."""
+        return sum(len(s.ids) for s in self.segments)
+
+    @property
     def open(self) -> bool:
         return self.stop_reason is None
 
@@ -89,24 +97,43 @@ class Dialogue:
 TEMPLATE_TOKENS_PER_TURN = 32
 
 
+def max_tokens_per_turn(max_response_length: int, verifier_config) -> int:
+    """The most tokens of one policy turn: ``max_tokens_per_turn``, or ``data.max_response_length`` when None."""
+    per_turn = verifier_config.max_tokens_per_turn
+    return max_response_length if per_turn is None else per_turn
+
+
 def dialogue_response_budget(max_response_length: int, verifier_config) -> int:
-    """The most response tokens a dialogue can reach: ``max_turns`` policy turns of at most
-    ``max_response_length`` tokens, and a verifier reply of at most ``max_tokens`` (with the
-    template around it) between each two. An engine sizes its context with it."""
+    """The most response tokens an engine must hold for one dialogue: ``max_turns`` policy turns of
+    at most ``max_tokens_per_turn`` tokens, and a verifier reply of at most ``max_tokens`` (with the
+    template around it) between each two; with ``max_dialogue_tokens`` set, no more than that limit
+    plus one turn (the last turn is sampled with a whole turn's room and cut at the limit). An
+    engine sizes its context with it."""
+    per_turn = max_tokens_per_turn(max_response_length, verifier_config)
     turns = verifier_config.max_turns
     between = verifier_config.max_tokens + TEMPLATE_TOKENS_PER_TURN
-    return turns * max_response_length + (turns - 1) * between
+    budget = turns * per_turn + (turns - 1) * between
+    if verifier_config.max_dialogue_tokens is not None:
+        budget = min(budget, verifier_config.max_dialogue_tokens + per_turn)
+    return budget
 
 
 def problem_text(sample: Sample) -> str:
-    """The first user message's text, images shown as ``[IMAGE]``: all the verifier sees of the problem."""
+    """The first user message's text, images shown as ``[IMAGE]``: all the verifier sees of the problem.
+
+    As the seed flattens it: the parts (text, ``[IMAGE]``, ``[VIDEO]``) joined by newlines,
+    empty parts left out.
+    """
+    placeholders = {"image": "[IMAGE]", "video": "[VIDEO]"}
     for message in sample.messages:
         if message["role"] != "user":
             continue
         content = message["content"]
         if isinstance(content, str):
             return content
-        return "".join("[IMAGE]" if item["type"] == "image" else item.get("text", "") for item in content)
+        parts = [placeholders.get(item.get("type"), item.get("text", "") if item.get("type") == "text" else "")
+                 for item in content]
+        return "\n".join(part for part in parts if part)
     return ""
 
 
@@ -168,7 +195,13 @@ class MultiTurnRollout:
 
     def generate(self, engine, samples: list[Sample], params: SamplingParams, *,
                  validation: bool = False) -> RolloutBatch:
-        """``params.n`` dialogues per sample; the verifier sees the reference in training only."""
+        """``params.n`` dialogues per sample; the verifier sees the reference in training only.
+
+        Each policy turn is sampled with at most ``max_tokens_per_turn`` new tokens
+        (``params.max_new_tokens`` when None).
+        """
+        if self.config.max_tokens_per_turn is not None:
+            params = replace(params, max_new_tokens=self.config.max_tokens_per_turn)
         first = engine.generate(samples, params)
         # each call gives the verifier a new chance: one that was down may be back
         self._failed_in_a_row = 0
@@ -180,14 +213,21 @@ class MultiTurnRollout:
             for d in dialogues:
                 if d.open and turn == self.config.max_turns:
                     d.stop_reason = "max_turns"
-            going = [d for d in dialogues if d.open]
-            if not going:
-                break
-            for d in going:
+            for d in dialogues:
+                if not d.open:
+                    continue
                 message = self._next_user_message(d)
                 ids = turn_boundary_ids(self.processor, message, after_end_of_turn=not d.truncated,
                                         chat_template_kwargs=d.sample.chat_template_kwargs)
+                limit = self.config.max_dialogue_tokens
+                if limit is not None and d.response_tokens + len(ids) >= limit:
+                    # max_dialogue_tokens reached (a turn cut at it included): no room for another turn
+                    d.stop_reason = "length"
+                    continue
                 d.segments.append(Segment(torch.tensor(ids, dtype=torch.long), policy=False, text=message))
+            going = [d for d in dialogues if d.open]
+            if not going:
+                break
             seed = None if params.seed is None else params.seed + 1_000_003 * turn
             step = engine.generate([d.sample for d in going], replace(params, n=1, seed=seed),
                                    prompts=[d.context() for d in going])
@@ -212,11 +252,23 @@ class MultiTurnRollout:
         length = int(batch.response_mask[row].sum())
         ids = batch.response_ids[row, :length].clone()
         log_probs = None if batch.rollout_log_probs is None else batch.rollout_log_probs[row, :length].clone()
-        d.segments.append(Segment(ids, policy=True, log_probs=log_probs, text=batch.responses[row]))
-        d.turns.append(batch.responses[row])
-        d.truncated = bool(batch.truncated[row])
-        if d.truncated:
-            d.stop_reason = "length"  # a turn cut off mid-way cannot be answered
+        text = batch.responses[row]
+        truncated = bool(batch.truncated[row])
+        limit = self.config.max_dialogue_tokens
+        if limit is not None:
+            room = limit - d.response_tokens
+            if len(ids) > room:
+                # Cutting a sampled turn at the limit is the turn the engine would have sampled with
+                # that limit (tokens come one at a time), so its log-probs stay exact.
+                ids = ids[:room]
+                log_probs = None if log_probs is None else log_probs[:room]
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                truncated = True
+        d.segments.append(Segment(ids, policy=True, log_probs=log_probs, text=text))
+        d.turns.append(text)
+        # A turn cut off at its token limit goes to the verifier like any other (the seed's
+        # behaviour); the text after it then starts with the end-of-turn token it never sampled.
+        d.truncated = truncated
 
     def _ask_verifier(self, dialogues: list[Dialogue], validation: bool) -> None:
         from grouprl.rollout.verifier import VerifierRequest

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from grouprl.config import ConfigError, VerifierConfig
+from grouprl.config import DEFAULT_VERIFIER_TEMPLATE, ConfigError, VerifierConfig
 from grouprl.registry import Registry
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, chat_completions_url
 # The final-answer rules live with the rewards (the format reward uses them too); re-exported here
@@ -61,13 +61,21 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "GROUPRL_VERIFIER_API_KEY"
 IMAGE_PLACEHOLDER = "[IMAGE]"
 NO_REFERENCE = "N/A"
-GUIDANCE_INSTRUCTION = "Provide the next piece of guidance for the student."
+# The seed's closing sentence ("the rules above" are the system message's)
+GUIDANCE_INSTRUCTION = "Provide the next piece of guidance following the rules above."
+# The published verifier, fine-tuned on the seed's teacher prompt: a model name with this in it is
+# warned about when grouprl's default template is in use.
+PUBLISHED_VERIFIER = "Guided-Verifier"
 
 # The seed's pattern. A reply is meant to end with its score line, so the last match is the
 # verdict: an earlier one can only be the model quoting the instruction, and the quoted
 # "hallucination_detect=0|1" would otherwise read as a detection (the seed takes the first).
 _SCORE = re.compile(r"\[SCORE\]\s*hallucination_detect\s*=\s*([01])")
-_LEADING_USER = re.compile(r"\AUser:\s*")
+# as the seed: any case ("user:", "USER:")
+_LEADING_USER = re.compile(r"\Auser:\s*", re.IGNORECASE)
+# The seed's test for a reply with something to say: an ASCII letter or digit. A reply in another
+# script only (e.g. Chinese) is a STOP there, and here.
+_ASCII_ALNUM = re.compile(r"[A-Za-z0-9]")
 
 
 class VerifierError(RuntimeError):
@@ -135,15 +143,16 @@ def parse_hallucination_score(text: str) -> float | None:
 def is_stop(text: str, stop_token: str) -> bool:
     """Whether a verifier reply ends the dialogue.
 
-    After stripping: empty, without any letter or digit (a model that has nothing to
-    say often emits only punctuation), or starting with ``stop_token``.
+    After stripping: empty, without any ASCII letter or digit (the seed's test: a model
+    that has nothing to say often emits only punctuation; a reply in another script
+    only, e.g. Chinese, counts as STOP too), or starting with ``stop_token``.
     """
     text = (text or "").strip()
-    return not text or not any(ch.isalnum() for ch in text) or text.startswith(stop_token)
+    return not text or _ASCII_ALNUM.search(text) is None or text.startswith(stop_token)
 
 
 def clean_reply(text: str) -> str:
-    """The reply as the policy reads it: stripped, with a leading ``User:`` role label removed.
+    """The reply as the policy reads it: stripped, with a leading ``User:`` role label (any case) removed.
 
     Chat models trained on transcripts sometimes open with the role of the message
     they write; the policy's chat template already marks the turn as the user's.
@@ -155,19 +164,44 @@ def clean_reply(text: str) -> str:
 def verifier_messages(template: str, request: VerifierRequest) -> list[dict]:
     """The chat messages of a verifier call: the template as system message, then one user message.
 
-    The user message has three sections (``### Problem Statement``, ``### Reference
-    Answer``, ``### Conversation History``: the policy's turns as ``Assistant:``
-    paragraphs) and ends by asking for the next piece of guidance.
+    The user message is the seed's, character for character: three sections
+    (``### Problem Statement``, the problem as given; ``### Reference Answer``, ``N/A``
+    when there is none or it is empty; ``### Conversation History``, one
+    ``Assistant: <turn>`` line per policy turn, each turn stripped, joined by single
+    newlines), a blank line between sections, then :data:`GUIDANCE_INSTRUCTION`.
     """
-    reference = request.reference if request.reference is not None else NO_REFERENCE
-    history = "\n\n".join(f"Assistant: {turn.strip()}" for turn in request.turns) or "(the student has not written yet)"
+    reference = str(request.reference) if request.reference is not None else ""
+    history = "\n".join(f"Assistant: {turn.strip()}" for turn in request.turns)
     user = (
-        f"### Problem Statement\n{request.problem.strip()}\n\n"
-        f"### Reference Answer\n{str(reference).strip()}\n\n"
+        f"### Problem Statement\n{request.problem}\n\n"
+        f"### Reference Answer\n{reference or NO_REFERENCE}\n\n"
         f"### Conversation History\n{history}\n\n"
         f"{GUIDANCE_INSTRUCTION}"
     )
     return [{"role": "system", "content": template}, {"role": "user", "content": user}]
+
+
+def read_prompt_template(config: VerifierConfig, key: str = "worker.rollout.verifier") -> str:
+    """The verifier's system message: ``prompt_template_file``'s contents when set, else ``prompt_template``.
+
+    Raises ConfigError naming ``{key}.prompt_template_file`` when the file cannot be
+    read, is empty, or never mentions the stop token.
+    """
+    path = config.prompt_template_file
+    if path is None:
+        return config.prompt_template
+    try:
+        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"config key '{key}.prompt_template_file': cannot read {str(path)!r}: {reason}") from None
+    if not text.strip():
+        raise ConfigError(f"config key '{key}.prompt_template_file': {str(path)!r} is empty")
+    if config.stop_token not in text:
+        raise ConfigError(f"config key '{key}.prompt_template_file': {str(path)!r} never mentions the stop token "
+                          f"{config.stop_token!r} ('{key}.stop_token'): the verifier could not end a dialogue")
+    return text
 
 
 # ---------------------------------------------------------------------------- the interface
@@ -185,6 +219,8 @@ class Verifier(abc.ABC):
     def __init__(self, config: VerifierConfig, *, tokenizer=None) -> None:
         self.config = config
         self.tokenizer = tokenizer  # counts reply tokens where the backend gives no count
+        # the system message, read once (prompt_template_file when set)
+        self.prompt_template = read_prompt_template(config)
         self.requests = 0
         self.failures = 0
 
@@ -293,6 +329,12 @@ class HTTPVerifier(Verifier):
         self.endpoint = ChatEndpoint(config.base_url, api_key=self.api_key, timeout=config.timeout,
                                      max_retries=config.max_retries, connections=config.http_concurrency,
                                      extra="guided", user="the http verifier")
+        if PUBLISHED_VERIFIER.lower() in (config.model or "").lower() and \
+                self.prompt_template == DEFAULT_VERIFIER_TEMPLATE:
+            logger.warning("verifier model %r was fine-tuned on the seed's teacher prompt, but grouprl's default "
+                           "template is in use: point worker.rollout.verifier.prompt_template_file at the seed's "
+                           "teacher prompt (Guided-GRPO's verl/workers/rollout/config.py, DEFAULT_VERIFIER_PROMPT)",
+                           config.model)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -346,7 +388,7 @@ class HTTPVerifier(Verifier):
     def payload(self, request: VerifierRequest) -> dict[str, Any]:
         """The JSON body of one request."""
         c = self.config
-        body: dict[str, Any] = {"model": c.model, "messages": verifier_messages(c.prompt_template, request),
+        body: dict[str, Any] = {"model": c.model, "messages": verifier_messages(self.prompt_template, request),
                                 "max_tokens": c.max_tokens, "temperature": c.temperature, "top_p": c.top_p}
         if c.top_k >= 0:  # OpenAI's own API has no top_k; send it only when asked for
             body["top_k"] = c.top_k
@@ -416,7 +458,7 @@ class LocalVerifier(Verifier):
         """The requests as text-only Samples (the verifier never sees images)."""
         from grouprl.data.sample import Sample
 
-        return [Sample(messages=verifier_messages(self.config.prompt_template, r), index=i)
+        return [Sample(messages=verifier_messages(self.prompt_template, r), index=i)
                 for i, r in enumerate(requests)]
 
     def render(self, request: VerifierRequest) -> str:

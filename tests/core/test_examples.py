@@ -68,7 +68,8 @@ EXPECTED = {
         "data.max_response_length": 2048, "worker.actor.max_grad_norm": 1.0,
         "worker.rollout.verifier.enable": True, "worker.rollout.verifier.use_http": True,
         "worker.rollout.verifier.max_turns": 10, "worker.rollout.verifier.stop_token": "###STOP###",
-        "worker.rollout.verifier.temperature": 0.2, "worker.rollout.verifier.top_p": 0.95,
+        "worker.rollout.verifier.max_tokens_per_turn": None, "worker.rollout.verifier.max_dialogue_tokens": None,
+        "worker.rollout.verifier.temperature": 0.0, "worker.rollout.verifier.top_p": 0.95,
         "worker.rollout.verifier.max_tokens": 256, "worker.rollout.verifier.train_scope": "full_turn",
         "worker.rollout.verifier.api_key": None,  # from $GROUPRL_VERIFIER_API_KEY, never in the recipe
     },

@@ -11,10 +11,11 @@ def test_weights_and_terms():
         "Three and two. <answer>\\boxed{5}</answer>",  # right, well formed
         "<answer>\\boxed{6}</answer>",  # wrong, well formed
         "It is 5.",  # right number, no final answer: neither accuracy nor format
-        "<answer>\\boxed{5}</answer> <answer>\\boxed{5}</answer>",  # two answers: malformed
+        "<answer>\\boxed{5}</answer> <answer>\\boxed{5}</answer>",  # two answers: malformed, the last box right
     ]
     scores = guided(["p"] * 4, completions, answer=["5"] * 4, verifier_hallucination_score=[1.0, 0.0, 0.5, 1.0])
-    assert scores == pytest.approx([0.8 + 0.1 + 0.1, 0.1 + 0.0, 0.05, 0.1])
+    # the seed grades the last \boxed{} anywhere, so a malformed answer can still be accurate
+    assert scores == pytest.approx([0.8 + 0.1 + 0.1, 0.1 + 0.0, 0.05, 0.8 + 0.1])
 
 
 def test_without_a_verifier_the_hallucination_term_is_the_seeds_neutral_half():

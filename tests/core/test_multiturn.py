@@ -153,7 +153,8 @@ def test_stop_needs_a_final_answer_and_turns_are_capped(paths):
     multi = rollout(processor, verifier, max_turns=3)
     batch = multi.generate(engine, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=2))
     reasons = batch.extras["stop_reason"]
-    assert set(reasons) <= {"max_turns", "length"} and "max_turns" in reasons
+    # turns of 4 tokens are cut off, yet the verifier answers them and the dialogues go on (the seed's way)
+    assert set(reasons) == {"max_turns"} and bool(batch.truncated.any())
     continued = [d for d in batch.extras["dialogue"] if len(d) > 1]
     assert continued and all(d[1]["text"] == multi.config.continue_message for d in continued)
     assert multi.last_metrics["multiturn/stop_max_turns"] > 0
@@ -172,7 +173,7 @@ def test_hallucination_scores_reach_the_rewards(paths):
     by_turn = {1: 0.0, 2: 1.0, 3: 1.0}
     for turns, score, reason, dialogue in zip(batch.extras["num_turns"], batch.extras["verifier_hallucination_score"],
                                               batch.extras["stop_reason"], batch.extras["dialogue"]):
-        replied = turns - (reason == "length")  # a turn cut off mid-way is not sent to the verifier
+        replied = turns  # every turn is answered, one cut off at the token limit too
         expected = sum(by_turn[t] for t in range(1, replied + 1)) / replied if replied else 0.5
         assert score == pytest.approx(expected)
         assert sum(m["role"] == "assistant" for m in dialogue) == turns

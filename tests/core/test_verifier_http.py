@@ -133,9 +133,9 @@ def test_request_shape_and_bearer_key(llm, make):
     reference, history = rest.split("### Conversation History")
     assert problem.startswith("### Problem Statement\n[IMAGE]\nHow much")
     assert reference.strip() == "N/A"
-    # only the policy's turns, as Assistant paragraphs; no verifier reply among them
+    # only the policy's turns, one Assistant line each (the seed's layout); no verifier reply among them
     assert history.count("Assistant:") == 2
-    assert "Assistant: Step 1: 12/3 = 4.\n\nAssistant: Step 2: 4*4 = 16?" in history
+    assert "Assistant: Step 1: 12/3 = 4.\nAssistant: Step 2: 4*4 = 16?" in history
     assert "Provide the next piece of guidance" in history
 
 
