@@ -106,29 +106,130 @@ def correction_records(problems, *, seed: int) -> list[dict]:
     return records
 
 
+EVAL_TURNS = 3  # the dialogue evaluation's most policy turns, and the k of pass@k beside it
+
+
 @torch.no_grad()
 def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUIDED_RESPONSE_TOKENS,
-                        batch_size: int = 100) -> dict:
-    """Single-turn greedy answers to held-out problems: accuracy of the boxed result and format rate."""
+                        batch_size: int = 100, seed: int = 0) -> dict:
+    """Three evaluations on the same held-out problems:
+
+    - ``accuracy``: single-turn greedy answers (with ``format_rate``, ``correct``);
+    - ``with_verifier``: greedy dialogues of at most ``EVAL_TURNS`` turns with the rule verifier, which
+      sees the reference (the right answer in the last turn counts): what the model does when guided;
+    - ``pass_at_3``: any of ``EVAL_TURNS`` independent samples (temperature 1) right: what as many
+      unguided tries give, the baseline the dialogues are to beat.
+    """
+    from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.verifier import RuleVerifier
     from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.hf_engine import HFGenerationEngine
+    from grouprl.rollout.multiturn import MultiTurnRollout
+
+    def right(sample, response: str) -> bool:
+        got = final_answer(response)
+        return got is not None and answers_match(extract_answer(sample.answer), got)
 
     engine = HFGenerationEngine(model, processor)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
-    responses = []
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+    sampled = SamplingParams(n=EVAL_TURNS, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + 1)
+    verifier_config = VerifierConfig(enable=True, backend="rule", max_turns=EVAL_TURNS)
+    dialogues = MultiTurnRollout(RuleVerifier(verifier_config), processor, verifier_config,
+                                 end_of_turn_ids=list(engine.eos_token_ids))
+    responses, guided, any_of_k = [], [], []
     for start in range(0, len(samples), batch_size):
-        responses.extend(engine.generate(samples[start:start + batch_size], params).responses)
+        chunk = samples[start:start + batch_size]
+        responses.extend(engine.generate(chunk, greedy).responses)
+        guided.extend(right(s, r) for s, r in zip(chunk, dialogues.generate(engine, chunk, greedy).responses))
+        tries = engine.generate(chunk, sampled).responses
+        any_of_k.extend(any(right(s, r) for r in tries[i * EVAL_TURNS:(i + 1) * EVAL_TURNS])
+                        for i, s in enumerate(chunk))
     finals = [final_answer(r) for r in responses]
-    correct = [f is not None and answers_match(extract_answer(s.answer), f) for s, f in zip(samples, finals)]
+    correct = [right(s, r) for s, r in zip(samples, responses)]
     return {
         "accuracy": sum(correct) / len(samples),
         "format_rate": sum(f is not None for f in finals) / len(samples),
+        "with_verifier": sum(guided) / len(samples),
+        "pass_at_3": sum(any_of_k) / len(samples),
         "correct": correct,
+        "correct_with_verifier": guided,
+        "correct_pass_at_3": any_of_k,
         "sample_ids": [s.id for s in samples],
         "examples": [{"problem": s.prompt_text(), "reference": s.answer, "generated": r}
                      for s, r in list(zip(samples, responses))[:3]],
     }
+
+
+# a reply that says only that the answer is wrong: what the verifier's hint is measured against
+TRY_AGAIN = "That is not right. Try again."
+FEEDBACK_SAMPLES = 4  # second turns sampled per wrongly answered problem, for each kind of feedback
+FEEDBACK_KINDS = ("verifier hint", "try again", "resample")
+
+
+@torch.no_grad()
+def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed: int = 0,
+                   max_new_tokens: int = GUIDED_RESPONSE_TOKENS) -> dict:
+    """Whether feedback helps ``model`` at all, before any RL: on the problems whose greedy first
+    answer is wrong, the share of ``k`` sampled second turns (temperature 1, as in training) that are
+    right after the rule verifier's reply ("verifier hint"), after a content-free "That is not right.
+    Try again." ("try again"), and of ``k`` independent samples of the first turn ("resample").
+
+    Guided-GRPO can only beat GRPO through what the verifier says: if the hint fixes no more than
+    "try again" or a fresh sample, a comparison of the two cannot show the verifier's effect.
+    ``verdict`` says which, with the difference against twice its standard error (the k samples of
+    one problem are not independent, so it is a lower bound on the noise)."""
+    from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.verifier import RuleVerifier
+    from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
+    from grouprl.rollout.engine import EncodedPrompt, SamplingParams
+    from grouprl.rollout.hf_engine import HFGenerationEngine
+    from grouprl.rollout.multiturn import problem_text, turn_boundary_ids
+    from grouprl.rollout.verifier import VerifierRequest
+
+    def right(sample, response: str) -> bool:
+        got = final_answer(response)
+        return got is not None and answers_match(extract_answer(sample.answer), got)
+
+    engine = HFGenerationEngine(model, processor)
+    first = engine.generate(samples, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
+    wrong = [i for i, (sample, response) in enumerate(zip(samples, first.responses)) if not right(sample, response)]
+    result = {"problems": len(samples), "wrong_first_answers": len(wrong), "samples_per_problem": k}
+    if not wrong:
+        return {**result, "fix_rate": {}, "verdict": "every first answer is right: nothing to fix"}
+    wrong_samples = [samples[i] for i in wrong]
+    verifier = RuleVerifier(VerifierConfig(enable=True, backend="rule"))
+    hints = verifier.reply_many([VerifierRequest(problem=problem_text(samples[i]), reference=samples[i].answer,
+                                                 turns=[first.responses[i]]) for i in wrong])
+    sampling = SamplingParams(n=k, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + 1)
+
+    def fix_rate(batch) -> float:
+        return sum(right(batch.samples[row], r) for row, r in enumerate(batch.responses)) / len(batch.responses)
+
+    def second_turns(messages: list[str]):
+        prompts = []
+        for i, message in zip(wrong, messages):
+            length = int(first.response_mask[i].sum())
+            boundary = turn_boundary_ids(processor, message, after_end_of_turn=not bool(first.truncated[i]))
+            ids = torch.cat([first.prompt_ids[i][first.prompt_mask[i].bool()], first.response_ids[i, :length],
+                             torch.tensor(boundary, dtype=torch.long)])
+            prompts.append(EncodedPrompt(ids, dict(first.model_inputs[i]) if first.model_inputs else {}))
+        return engine.generate(wrong_samples, sampling, prompts=prompts)
+
+    rates = {"verifier hint": fix_rate(second_turns([h.text for h in hints])),
+             "try again": fix_rate(second_turns([TRY_AGAIN] * len(wrong))),
+             "resample": fix_rate(engine.generate(wrong_samples, sampling))}
+    best_other = max(("try again", "resample"), key=rates.get)
+    n = len(wrong) * k
+    gain = rates["verifier hint"] - rates[best_other]
+    se = (sum(r * (1 - r) for r in (rates["verifier hint"], rates[best_other])) / n) ** 0.5
+    if gain > 2 * se:
+        verdict = f"the verifier's hint fixes more wrong answers than {best_other} ({gain:+.3f}, 2 SE {2 * se:.3f})"
+    else:
+        verdict = (f"the verifier's hint fixes no more wrong answers than {best_other} ({gain:+.3f}, 2 SE "
+                   f"{2 * se:.3f}): on this model, Guided-GRPO against GRPO cannot show the verifier's effect")
+    return {**result, "fix_rate": rates, "hint_gain": gain, "hint_gain_2se": 2 * se, "verdict": verdict,
+            "helps": gain > 2 * se}
 
 
 def _training_summary(metrics_file: Path) -> dict:
@@ -188,6 +289,18 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
     samples = [val[i] for i in range(len(val))]
     sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
     results = {"SFT": evaluate_arithmetic(sft_model, processor, samples)}
+    # first, whether feedback helps the SFT model at all; the comparison below means little if not
+    feedback = feedback_check(sft_model, processor, samples, seed=seed)
+    check = Table(title=f"does feedback help the SFT model? second turns on the {feedback['wrong_first_answers']} "
+                        f"of {feedback['problems']} held-out problems its greedy answer gets wrong, "
+                        f"{feedback['samples_per_problem']} samples each (temperature 1)")
+    for column in ("after", "right"):
+        check.add_column(column, justify="left" if column == "after" else "right")
+    for kind, rate in feedback["fix_rate"].items():
+        check.add_row({"verifier hint": "the rule verifier's hint", "try again": f'"{TRY_AGAIN}"',
+                       "resample": "nothing (a new first turn)"}[kind], f"{rate:.3f}")
+    console.print(check)
+    console.print(feedback["verdict"])
     del sft_model
     curves, training = {}, {}
     for i, (key, cfg) in enumerate((("grpo", grpo_cfg), ("guided", guided_cfg))):
@@ -203,16 +316,19 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         del trainer
 
     console.rule("[bold]4/4 held-out evaluation")
-    table = Table(title=f"held-out arithmetic problems (n={len(samples)}), single-turn greedy, no verifier",
+    table = Table(title=f"held-out arithmetic problems (n={len(samples)}): accuracy single-turn greedy, in greedy "
+                        f"dialogues with the rule verifier (it sees the reference), and pass@{EVAL_TURNS} of samples",
                   caption=f"train reward = {GUIDED_REWARD} (0.8 accuracy + 0.1 format + 0.1 hallucination score; "
                           "0.5 without a verifier), of the final turn for dialogues; turns = policy turns per "
                           f"training dialogue (at most {GUIDED_MAX_TURNS}); same SFT start, seed, "
                           f"{sizes['grpo_steps']} steps x {sizes['prompts_per_step']} prompts x {sizes['n']} samples")
-    for title in ("model", "accuracy", "format", "train reward (first 5 -> last 5 steps)", "turns", "train s"):
+    for title in ("model", "greedy", f"with verifier (<= {EVAL_TURNS} turns)", f"pass@{EVAL_TURNS}", "format",
+                  "train reward (first 5 -> last 5 steps)", "turns", "train s"):
         table.add_column(title, justify="left" if title == "model" else "right")
     for name, r in results.items():
         t = training.get(name)
-        table.add_row(name, f"{r['accuracy']:.3f}", f"{r['format_rate']:.3f}",
+        table.add_row(name, f"{r['accuracy']:.3f}", f"{r['with_verifier']:.3f}", f"{r['pass_at_3']:.3f}",
+                      f"{r['format_rate']:.3f}",
                       f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}" if t else "",
                       f"{t['turns_mean']:.2f}" if t and "turns_mean" in t else ("1" if t else ""),
                       f"{seconds[name]:.0f}")
@@ -234,6 +350,7 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         "model": GUIDED_MODEL,
         "seed": seed,
         "models": results,
+        "feedback_check": feedback,
         "training": training,
         "seconds": seconds,
         "sft": sft_row,

@@ -180,5 +180,6 @@ def corpus(max_value: int = 20) -> list[str]:
         "What is your final answer, in that format?",
         "[SCORE] hallucination_detect=0", "[SCORE] hallucination_detect=1",
         "Please continue and provide the final answer in the required format.",
+        "That is not right. Try again.",  # the demo's content-free feedback (demo.TRY_AGAIN)
     ]
     return text
