@@ -118,7 +118,8 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
     - ``with_verifier``: greedy dialogues of at most ``EVAL_TURNS`` turns with the rule verifier, which
       sees the reference (the right answer in the last turn counts): what the model does when guided;
     - ``pass_at_3``: any of ``EVAL_TURNS`` independent samples (temperature 1) right: what as many
-      unguided tries give, the baseline the dialogues are to beat.
+      unguided tries give, the baseline the dialogues are to beat (``sampled_tokens_mean``: their
+      mean length).
     """
     from grouprl.config import VerifierConfig
     from grouprl.domains.reasoning.verifier import RuleVerifier
@@ -137,13 +138,14 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
     verifier_config = VerifierConfig(enable=True, backend="rule", max_turns=EVAL_TURNS)
     dialogues = MultiTurnRollout(RuleVerifier(verifier_config), processor, verifier_config,
                                  end_of_turn_ids=list(engine.eos_token_ids))
-    responses, guided, any_of_k = [], [], []
+    responses, guided, any_of_k, sampled_tokens = [], [], [], []
     for start in range(0, len(samples), batch_size):
         chunk = samples[start:start + batch_size]
         responses.extend(engine.generate(chunk, greedy).responses)
         guided.extend(right(s, r) for s, r in zip(chunk, dialogues.generate(engine, chunk, greedy).responses))
-        tries = engine.generate(chunk, sampled).responses
-        any_of_k.extend(any(right(s, r) for r in tries[i * EVAL_TURNS:(i + 1) * EVAL_TURNS])
+        tries = engine.generate(chunk, sampled)
+        sampled_tokens.extend(tries.response_mask.sum(dim=1).tolist())
+        any_of_k.extend(any(right(s, r) for r in tries.responses[i * EVAL_TURNS:(i + 1) * EVAL_TURNS])
                         for i, s in enumerate(chunk))
     finals = [final_answer(r) for r in responses]
     correct = [right(s, r) for s, r in zip(samples, responses)]
@@ -152,6 +154,7 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
         "format_rate": sum(f is not None for f in finals) / len(samples),
         "with_verifier": sum(guided) / len(samples),
         "pass_at_3": sum(any_of_k) / len(samples),
+        "sampled_tokens_mean": sum(sampled_tokens) / len(sampled_tokens),  # of the pass@3 samples
         "correct": correct,
         "correct_with_verifier": guided,
         "correct_pass_at_3": any_of_k,
@@ -232,11 +235,13 @@ def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed
             "helps": gain > 2 * se}
 
 
-def _training_summary(metrics_file: Path) -> dict:
-    """Per-run means over the training steps: reward, and for dialogues, turns and how they ended."""
+def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
+    """Per-run means over the training steps: reward, and for dialogues, turns and how they ended;
+    ``policy_tokens``, the tokens the policy sampled over the run (``rows_per_step`` samples a step)."""
     rows = read_json_records(metrics_file)
     rows = [r for r in rows if r.get("reward/mean") is not None]
     out = {"steps": len(rows), "reward_mean": sum(r["reward/mean"] for r in rows) / len(rows),
+           "policy_tokens": round(sum(r["response/policy_tokens/mean"] for r in rows) * rows_per_step),
            "reward_first_5": sum(r["reward/mean"] for r in rows[:5]) / len(rows[:5]),
            "reward_last_5": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:])}
     for key, name in (("multiturn/turns_mean", "turns_mean"), ("multiturn/stop_stop", "stop_rate"),
@@ -303,8 +308,16 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
     console.print(feedback["verdict"])
     del sft_model
     curves, training = {}, {}
-    for i, (key, cfg) in enumerate((("grpo", grpo_cfg), ("guided", guided_cfg))):
+    rows_per_step = sizes["prompts_per_step"] * sizes["n"]
+    # Guided-GRPO first: its dialogues sample several turns per prompt, so GRPO then gets as many steps
+    # as match its policy tokens, at the SFT model's sampled first-turn length (the table shows the
+    # tokens each run used)
+    for i, (key, cfg) in enumerate((("guided", guided_cfg), ("grpo", grpo_cfg))):
         label = GUIDED_RUNS[key]
+        if key == "grpo":
+            per_step = rows_per_step * results["SFT"]["sampled_tokens_mean"]
+            cfg = merge_values(cfg, {"trainer": {"max_steps": max(
+                sizes["grpo_steps"], round(training[GUIDED_RUNS["guided"]]["policy_tokens"] / per_step))}})
         console.rule(f"[bold]{i + 2}/4 {label}")
         t0 = time.perf_counter()
         trainer = GRPOTrainer(config_from_dict(cfg))
@@ -312,18 +325,21 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         seconds[label] = time.perf_counter() - t0
         results[label] = evaluate_arithmetic(trainer.policy, trainer.processor, samples)
         curves[label] = out / key / "metrics.jsonl"
-        training[label] = _training_summary(curves[label])
+        training[label] = _training_summary(curves[label], rows_per_step)
         del trainer
+    results = {name: results[name] for name in ("SFT", *GUIDED_RUNS.values())}
+    curves = {name: curves[name] for name in GUIDED_RUNS.values()}
 
     console.rule("[bold]4/4 held-out evaluation")
     table = Table(title=f"held-out arithmetic problems (n={len(samples)}): accuracy single-turn greedy, in greedy "
                         f"dialogues with the rule verifier (it sees the reference), and pass@{EVAL_TURNS} of samples",
                   caption=f"train reward = {GUIDED_REWARD} (0.8 accuracy + 0.1 format + 0.1 hallucination score; "
                           "0.5 without a verifier), of the final turn for dialogues; turns = policy turns per "
-                          f"training dialogue (at most {GUIDED_MAX_TURNS}); same SFT start, seed, "
-                          f"{sizes['grpo_steps']} steps x {sizes['prompts_per_step']} prompts x {sizes['n']} samples")
+                          f"training dialogue (at most {GUIDED_MAX_TURNS}); same SFT start and seed, "
+                          f"{sizes['prompts_per_step']} prompts x {sizes['n']} samples a step; Guided-GRPO "
+                          f"{sizes['grpo_steps']} steps, GRPO as many as match its policy tokens")
     for title in ("model", "greedy", f"with verifier (<= {EVAL_TURNS} turns)", f"pass@{EVAL_TURNS}", "format",
-                  "train reward (first 5 -> last 5 steps)", "turns", "train s"):
+                  "train reward (first 5 -> last 5 steps)", "turns", "RL steps", "policy tokens", "train s"):
         table.add_column(title, justify="left" if title == "model" else "right")
     for name, r in results.items():
         t = training.get(name)
@@ -331,7 +347,7 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
                       f"{r['format_rate']:.3f}",
                       f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}" if t else "",
                       f"{t['turns_mean']:.2f}" if t and "turns_mean" in t else ("1" if t else ""),
-                      f"{seconds[name]:.0f}")
+                      f"{t['steps']}" if t else "", f"{t['policy_tokens']:,}" if t else "", f"{seconds[name]:.0f}")
     console.print(table)
     if quick:
         console.print(GUIDED_QUICK_NOTE)
@@ -344,7 +360,9 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         "task": "synthetic arithmetic word problems (grouprl.domains.reasoning.synthetic_math)",
         "reward": GUIDED_REWARD,
         "verifier": {"backend": "rule", "max_turns": GUIDED_MAX_TURNS, "train_scope": "full_turn"},
-        "evaluation": "single-turn greedy decoding on the held-out problems, no verifier",
+        "evaluation": (f"held-out problems: single-turn greedy (accuracy), greedy dialogues of at most {EVAL_TURNS} "
+                       f"turns with the rule verifier seeing the reference (with_verifier), any of {EVAL_TURNS} "
+                       "samples at temperature 1 (pass_at_3)"),
         "held_out_problems": len(samples),
         "sizes": sizes,
         "model": GUIDED_MODEL,
