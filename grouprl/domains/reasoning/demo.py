@@ -331,24 +331,31 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
     curves = {name: curves[name] for name in GUIDED_RUNS.values()}
 
     console.rule("[bold]4/4 held-out evaluation")
-    table = Table(title=f"held-out arithmetic problems (n={len(samples)}): accuracy single-turn greedy, in greedy "
-                        f"dialogues with the rule verifier (it sees the reference), and pass@{EVAL_TURNS} of samples",
-                  caption=f"train reward = {GUIDED_REWARD} (0.8 accuracy + 0.1 format + 0.1 hallucination score; "
-                          "0.5 without a verifier), of the final turn for dialogues; turns = policy turns per "
-                          f"training dialogue (at most {GUIDED_MAX_TURNS}); same SFT start and seed, "
-                          f"{sizes['prompts_per_step']} prompts x {sizes['n']} samples a step; Guided-GRPO "
-                          f"{sizes['grpo_steps']} steps, GRPO as many as match its policy tokens")
-    for title in ("model", "greedy", f"with verifier (<= {EVAL_TURNS} turns)", f"pass@{EVAL_TURNS}", "format",
-                  "train reward (first 5 -> last 5 steps)", "turns", "RL steps", "policy tokens", "train s"):
-        table.add_column(title, justify="left" if title == "model" else "right")
+    table = Table(title=f"held-out arithmetic problems (n={len(samples)}): accuracy three ways",
+                  caption=f"greedy = single-turn greedy; guided = greedy dialogues of at most {EVAL_TURNS} turns "
+                          f"with the rule verifier, which sees the reference; pass@{EVAL_TURNS} = any of "
+                          f"{EVAL_TURNS} samples at temperature 1; format = greedy answers in the boxed format")
+    for title in ("model", "greedy", "guided", f"pass@{EVAL_TURNS}", "format"):
+        table.add_column(title, justify="left" if title == "model" else "right", no_wrap=True)
     for name, r in results.items():
-        t = training.get(name)
         table.add_row(name, f"{r['accuracy']:.3f}", f"{r['with_verifier']:.3f}", f"{r['pass_at_3']:.3f}",
-                      f"{r['format_rate']:.3f}",
-                      f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}" if t else "",
-                      f"{t['turns_mean']:.2f}" if t and "turns_mean" in t else ("1" if t else ""),
-                      f"{t['steps']}" if t else "", f"{t['policy_tokens']:,}" if t else "", f"{seconds[name]:.0f}")
+                      f"{r['format_rate']:.3f}")
     console.print(table)
+    runs = Table(title="the training runs",
+                 caption=f"reward = training reward ({GUIDED_REWARD}: 0.8 accuracy + 0.1 format + 0.1 hallucination "
+                         "score, 0.5 without a verifier; of the final turn for dialogues), mean of the first 5 -> "
+                         f"last 5 steps; turns = policy turns per training dialogue (at most {GUIDED_MAX_TURNS}); "
+                         f"tokens = policy tokens sampled; same SFT start and seed, {sizes['prompts_per_step']} "
+                         f"prompts x {sizes['n']} samples a step, GRPO as many steps as match Guided-GRPO's tokens")
+    for title in ("run", "reward", "turns", "steps", "tokens", "seconds"):
+        runs.add_column(title, justify="left" if title == "run" else "right", no_wrap=True)
+    runs.add_row("SFT", "", "", "", "", f"{seconds['SFT']:.0f}")
+    for name in GUIDED_RUNS.values():
+        t = training[name]
+        runs.add_row(name, f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}",
+                     f"{t['turns_mean']:.2f}" if "turns_mean" in t else "1", f"{t['steps']}",
+                     f"{t['policy_tokens']:,}", f"{seconds[name]:.0f}")
+    console.print(runs)
     if quick:
         console.print(GUIDED_QUICK_NOTE)
 
