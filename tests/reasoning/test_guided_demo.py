@@ -40,21 +40,36 @@ def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, 
     n_val = summary["held_out_problems"]
     for row in summary["models"].values():
         assert len(row["correct"]) == n_val and row["accuracy"] == sum(row["correct"]) / n_val
+        # three evaluations of the same problems: greedy, guided dialogues, pass@3
+        assert row["with_verifier"] == sum(row["correct_with_verifier"]) / n_val
+        assert row["pass_at_3"] == sum(row["correct_pass_at_3"]) / n_val
+    # whether feedback helps the SFT model at all, measured before any RL and printed
+    check = summary["feedback_check"]
+    assert check["problems"] == n_val and 0 < check["wrong_first_answers"] <= n_val
+    assert set(check["fix_rate"]) == set(demo.FEEDBACK_KINDS) and all(0 <= r <= 1 for r in check["fix_rate"].values())
 
     # both runs start from the one SFT model, with the same seed, prompts and budget; only the verifier differs
     grpo_cfg, guided_cfg = (yaml.safe_load((out / run / "config.yaml").read_text()) for run in ("grpo", "guided"))
     assert guided_cfg["worker"]["rollout"].pop("verifier")["enable"] is True
     assert grpo_cfg["worker"]["rollout"].pop("verifier")["enable"] is False
+    # GRPO's steps match Guided-GRPO's policy tokens, at the SFT model's sampled first-turn length
+    steps = {run: cfg["trainer"].pop("max_steps") for run, cfg in (("grpo", grpo_cfg), ("guided", guided_cfg))}
+    rows_per_step = summary["sizes"]["prompts_per_step"] * summary["sizes"]["n"]
+    guided_tokens = summary["training"]["SFT+Guided-GRPO"]["policy_tokens"]
+    assert steps["guided"] == summary["sizes"]["grpo_steps"]
+    assert steps["grpo"] == max(steps["guided"], round(
+        guided_tokens / (rows_per_step * summary["models"]["SFT"]["sampled_tokens_mean"])))
+    for run, label in (("grpo", "SFT+GRPO"), ("guided", "SFT+Guided-GRPO")):
+        assert summary["training"][label]["steps"] == steps[run]
     for cfg in (grpo_cfg, guided_cfg):
         cfg["trainer"].pop("output_dir"), cfg["trainer"].pop("experiment_name")
     assert grpo_cfg == guided_cfg
     assert grpo_cfg["worker"]["actor"]["model"]["model_path"] == str(out / "sft_model")
 
     # the summary's rows are the evaluations of the saved models, not one copied
-    steps = summary["sizes"]["grpo_steps"]
     sft = load_weights(out / "sft_model")
     for run, label in (("grpo", "SFT+GRPO"), ("guided", "SFT+Guided-GRPO")):
-        trained = load_weights(out / run / "checkpoints" / f"global_step_{steps}" / "model")
+        trained = load_weights(out / run / "checkpoints" / f"global_step_{steps[run]}" / "model")
         assert not same_weights(trained, sft)
         assert same_weights(seen[summary["models"][label]["evaluation_call"]], trained)
     assert same_weights(seen[summary["models"]["SFT"]["evaluation_call"]], sft)
@@ -69,14 +84,17 @@ def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, 
         sum(m["multiturn/turns_mean"] for m in metrics) / len(metrics))
     # SFT saw correction dialogues: the slipped answer and the rule verifier's own reply to it
     corrections = [json.loads(x) for x in (out / "data" / "corrections.jsonl").read_text().splitlines()]
-    assert corrections and all("Re-check" in c["messages"][2]["content"] or "sign" in c["messages"][2]["content"]
-                               for c in corrections)
+    # (step-level: it names the slipped step, tests/reasoning/test_rule_verifier.py)
+    assert corrections and all(c["messages"][2]["content"].startswith("Step ") for c in corrections)
 
     assert (out / "guided_rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out.replace("\n", "")  # rich wraps long paths at the console's width
+    raw = capsys.readouterr().out
+    printed = raw.replace("\n", "")  # rich wraps long paths at the console's width
+    words = " ".join(raw.split())  # and sentences at spaces
     assert "SFT+Guided-GRPO" in printed and "summary.json" in printed
+    assert "does feedback help the SFT model?" in words and check["verdict"] in words
     # the quick run is small, not degenerate: the SFT model answers in the format, and some answers are right
     assert summary["models"]["SFT"]["format_rate"] >= 0.5
     assert any(row["accuracy"] > 0 for row in summary["models"].values())
     # and it says what it is, and what the full run shows
-    assert " ".join(printed.split()).count("--quick is the demo made small") == 1
+    assert words.count("--quick is the demo made small") == 1

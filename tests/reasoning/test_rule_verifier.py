@@ -85,3 +85,42 @@ def test_rule_counts_tokens_with_the_given_tokenizer():
         [VerifierRequest(PROBLEM, "16", ["no answer yet"])])[0]
     assert out.tokens == len(out.text.split())
     assert reply(rule(), ["no answer yet"]).tokens is None
+
+
+# ---------------------------------------------------------------- step-level feedback
+
+STORY = ("Ann has 7 shells. Ann finds 5 more, then loses 3. How many shells does Ann have now? "
+         "Give the result as <answer>\\boxed{N}</answer>.")
+WORKED = "7 + 5 = 12. 12 - 3 = 9. <answer>\\boxed{9}</answer>"
+
+
+def test_rule_names_the_first_wrong_step_and_never_its_result():
+    cases = {  # the student's turn -> what the reply must say
+        "7 + 5 = 13. 13 - 3 = 10. <answer>\\boxed{10}</answer>": "Step 1, the addition 7 + 5, is computed wrong.",
+        "7 + 5 = 12. 12 - 3 = 8. <answer>\\boxed{8}</answer>":
+            "Step 2, the subtraction 12 - 3, is computed wrong. Your first step is right.",
+        "7 - 5 = 2. 2 - 3 = 1. <answer>\\boxed{1}</answer>":
+            "Step 1 (7 - 5) does not follow the problem: it should be the addition",
+        "7 + 5 = 12. <answer>\\boxed{12}</answer>": "Your first step is right, but the problem needs 2 steps.",
+        "7 + 5 = 12. 12 - 3 = 9. <answer>\\boxed{8}</answer>": "not the result of your last step",
+    }
+    for turn, said in cases.items():
+        out = reply(rule(), [turn], reference=WORKED, problem=STORY)
+        assert not out.stop and said in out.text, (turn, out.text)
+        assert "9" not in out.text.replace("hallucination_detect", "")  # the result is never given
+    # a bare answer has no steps to hold against the reference: what is wrong with the answer
+    assert "is too low" in reply(rule(), ["<answer>\\boxed{8}</answer>"], reference=WORKED, problem=STORY).text
+
+
+def test_every_correction_record_of_the_demo_points_at_the_slipped_step():
+    import random
+
+    from grouprl.domains.reasoning.synthetic_math import generate_problems, slip_solution
+
+    for i, p in enumerate(generate_problems(300, seed=7, max_value=10)):
+        wrong = slip_solution(p, random.Random(f"7:slip:{i}"))
+        # where the slip is, read off the numbers: step 1 got another intermediate value, or step 2
+        # another result from the right intermediate value
+        slipped = 1 if f"= {p.intermediate}." not in wrong.split(". ")[0] + "." else 2
+        out = reply(rule(), [wrong], reference=p.solution, problem=p.text)
+        assert out.text.startswith(f"Step {slipped}, the "), (wrong, out.text)

@@ -106,36 +106,142 @@ def correction_records(problems, *, seed: int) -> list[dict]:
     return records
 
 
+EVAL_TURNS = 3  # the dialogue evaluation's most policy turns, and the k of pass@k beside it
+
+
 @torch.no_grad()
 def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUIDED_RESPONSE_TOKENS,
-                        batch_size: int = 100) -> dict:
-    """Single-turn greedy answers to held-out problems: accuracy of the boxed result and format rate."""
+                        batch_size: int = 100, seed: int = 0) -> dict:
+    """Three evaluations on the same held-out problems:
+
+    - ``accuracy``: single-turn greedy answers (with ``format_rate``, ``correct``);
+    - ``with_verifier``: greedy dialogues of at most ``EVAL_TURNS`` turns with the rule verifier, which
+      sees the reference (the right answer in the last turn counts): what the model does when guided;
+    - ``pass_at_3``: any of ``EVAL_TURNS`` independent samples (temperature 1) right: what as many
+      unguided tries give, the baseline the dialogues are to beat (``sampled_tokens_mean``: their
+      mean length).
+    """
+    from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.verifier import RuleVerifier
     from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.hf_engine import HFGenerationEngine
+    from grouprl.rollout.multiturn import MultiTurnRollout
+
+    def right(sample, response: str) -> bool:
+        got = final_answer(response)
+        return got is not None and answers_match(extract_answer(sample.answer), got)
 
     engine = HFGenerationEngine(model, processor)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=0)
-    responses = []
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+    sampled = SamplingParams(n=EVAL_TURNS, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + 1)
+    verifier_config = VerifierConfig(enable=True, backend="rule", max_turns=EVAL_TURNS)
+    dialogues = MultiTurnRollout(RuleVerifier(verifier_config), processor, verifier_config,
+                                 end_of_turn_ids=list(engine.eos_token_ids))
+    responses, guided, any_of_k, sampled_tokens = [], [], [], []
     for start in range(0, len(samples), batch_size):
-        responses.extend(engine.generate(samples[start:start + batch_size], params).responses)
+        chunk = samples[start:start + batch_size]
+        responses.extend(engine.generate(chunk, greedy).responses)
+        guided.extend(right(s, r) for s, r in zip(chunk, dialogues.generate(engine, chunk, greedy).responses))
+        tries = engine.generate(chunk, sampled)
+        sampled_tokens.extend(tries.response_mask.sum(dim=1).tolist())
+        any_of_k.extend(any(right(s, r) for r in tries.responses[i * EVAL_TURNS:(i + 1) * EVAL_TURNS])
+                        for i, s in enumerate(chunk))
     finals = [final_answer(r) for r in responses]
-    correct = [f is not None and answers_match(extract_answer(s.answer), f) for s, f in zip(samples, finals)]
+    correct = [right(s, r) for s, r in zip(samples, responses)]
     return {
         "accuracy": sum(correct) / len(samples),
         "format_rate": sum(f is not None for f in finals) / len(samples),
+        "with_verifier": sum(guided) / len(samples),
+        "pass_at_3": sum(any_of_k) / len(samples),
+        "sampled_tokens_mean": sum(sampled_tokens) / len(sampled_tokens),  # of the pass@3 samples
         "correct": correct,
+        "correct_with_verifier": guided,
+        "correct_pass_at_3": any_of_k,
         "sample_ids": [s.id for s in samples],
         "examples": [{"problem": s.prompt_text(), "reference": s.answer, "generated": r}
                      for s, r in list(zip(samples, responses))[:3]],
     }
 
 
-def _training_summary(metrics_file: Path) -> dict:
-    """Per-run means over the training steps: reward, and for dialogues, turns and how they ended."""
+# a reply that says only that the answer is wrong: what the verifier's hint is measured against
+TRY_AGAIN = "That is not right. Try again."
+FEEDBACK_SAMPLES = 4  # second turns sampled per wrongly answered problem, for each kind of feedback
+FEEDBACK_KINDS = ("verifier hint", "try again", "resample")
+
+
+@torch.no_grad()
+def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed: int = 0,
+                   max_new_tokens: int = GUIDED_RESPONSE_TOKENS) -> dict:
+    """Whether feedback helps ``model`` at all, before any RL: on the problems whose greedy first
+    answer is wrong, the share of ``k`` sampled second turns (temperature 1, as in training) that are
+    right after the rule verifier's reply ("verifier hint"), after a content-free "That is not right.
+    Try again." ("try again"), and of ``k`` independent samples of the first turn ("resample").
+
+    Guided-GRPO can only beat GRPO through what the verifier says: if the hint fixes no more than
+    "try again" or a fresh sample, a comparison of the two cannot show the verifier's effect.
+    ``verdict`` says which, with the difference against twice its standard error (the k samples of
+    one problem are not independent, so it is a lower bound on the noise)."""
+    from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.verifier import RuleVerifier
+    from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
+    from grouprl.rollout.engine import EncodedPrompt, SamplingParams
+    from grouprl.rollout.hf_engine import HFGenerationEngine
+    from grouprl.rollout.multiturn import problem_text, turn_boundary_ids
+    from grouprl.rollout.verifier import VerifierRequest
+
+    def right(sample, response: str) -> bool:
+        got = final_answer(response)
+        return got is not None and answers_match(extract_answer(sample.answer), got)
+
+    engine = HFGenerationEngine(model, processor)
+    first = engine.generate(samples, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
+    wrong = [i for i, (sample, response) in enumerate(zip(samples, first.responses)) if not right(sample, response)]
+    result = {"problems": len(samples), "wrong_first_answers": len(wrong), "samples_per_problem": k}
+    if not wrong:
+        return {**result, "fix_rate": {}, "verdict": "every first answer is right: nothing to fix"}
+    wrong_samples = [samples[i] for i in wrong]
+    verifier = RuleVerifier(VerifierConfig(enable=True, backend="rule"))
+    hints = verifier.reply_many([VerifierRequest(problem=problem_text(samples[i]), reference=samples[i].answer,
+                                                 turns=[first.responses[i]]) for i in wrong])
+    sampling = SamplingParams(n=k, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + 1)
+
+    def fix_rate(batch) -> float:
+        return sum(right(batch.samples[row], r) for row, r in enumerate(batch.responses)) / len(batch.responses)
+
+    def second_turns(messages: list[str]):
+        prompts = []
+        for i, message in zip(wrong, messages):
+            length = int(first.response_mask[i].sum())
+            boundary = turn_boundary_ids(processor, message, after_end_of_turn=not bool(first.truncated[i]))
+            ids = torch.cat([first.prompt_ids[i][first.prompt_mask[i].bool()], first.response_ids[i, :length],
+                             torch.tensor(boundary, dtype=torch.long)])
+            prompts.append(EncodedPrompt(ids, dict(first.model_inputs[i]) if first.model_inputs else {}))
+        return engine.generate(wrong_samples, sampling, prompts=prompts)
+
+    rates = {"verifier hint": fix_rate(second_turns([h.text for h in hints])),
+             "try again": fix_rate(second_turns([TRY_AGAIN] * len(wrong))),
+             "resample": fix_rate(engine.generate(wrong_samples, sampling))}
+    best_other = max(("try again", "resample"), key=rates.get)
+    n = len(wrong) * k
+    gain = rates["verifier hint"] - rates[best_other]
+    se = (sum(r * (1 - r) for r in (rates["verifier hint"], rates[best_other])) / n) ** 0.5
+    if gain > 2 * se:
+        verdict = f"the verifier's hint fixes more wrong answers than {best_other} ({gain:+.3f}, 2 SE {2 * se:.3f})"
+    else:
+        verdict = (f"the verifier's hint fixes no more wrong answers than {best_other} ({gain:+.3f}, 2 SE "
+                   f"{2 * se:.3f}): on this model, Guided-GRPO against GRPO cannot show the verifier's effect")
+    return {**result, "fix_rate": rates, "hint_gain": gain, "hint_gain_2se": 2 * se, "verdict": verdict,
+            "helps": gain > 2 * se}
+
+
+def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
+    """Per-run means over the training steps: reward, and for dialogues, turns and how they ended;
+    ``policy_tokens``, the tokens the policy sampled over the run (``rows_per_step`` samples a step)."""
     rows = read_json_records(metrics_file)
     rows = [r for r in rows if r.get("reward/mean") is not None]
     out = {"steps": len(rows), "reward_mean": sum(r["reward/mean"] for r in rows) / len(rows),
+           "policy_tokens": round(sum(r["response/policy_tokens/mean"] for r in rows) * rows_per_step),
            "reward_first_5": sum(r["reward/mean"] for r in rows[:5]) / len(rows[:5]),
            "reward_last_5": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:])}
     for key, name in (("multiturn/turns_mean", "turns_mean"), ("multiturn/stop_stop", "stop_rate"),
@@ -188,10 +294,30 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
     samples = [val[i] for i in range(len(val))]
     sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
     results = {"SFT": evaluate_arithmetic(sft_model, processor, samples)}
+    # first, whether feedback helps the SFT model at all; the comparison below means little if not
+    feedback = feedback_check(sft_model, processor, samples, seed=seed)
+    check = Table(title=f"does feedback help the SFT model? second turns on the {feedback['wrong_first_answers']} "
+                        f"of {feedback['problems']} held-out problems its greedy answer gets wrong, "
+                        f"{feedback['samples_per_problem']} samples each (temperature 1)")
+    for column in ("after", "right"):
+        check.add_column(column, justify="left" if column == "after" else "right")
+    for kind, rate in feedback["fix_rate"].items():
+        check.add_row({"verifier hint": "the rule verifier's hint", "try again": f'"{TRY_AGAIN}"',
+                       "resample": "nothing (a new first turn)"}[kind], f"{rate:.3f}")
+    console.print(check)
+    console.print(feedback["verdict"])
     del sft_model
     curves, training = {}, {}
-    for i, (key, cfg) in enumerate((("grpo", grpo_cfg), ("guided", guided_cfg))):
+    rows_per_step = sizes["prompts_per_step"] * sizes["n"]
+    # Guided-GRPO first: its dialogues sample several turns per prompt, so GRPO then gets as many steps
+    # as match its policy tokens, at the SFT model's sampled first-turn length (the table shows the
+    # tokens each run used)
+    for i, (key, cfg) in enumerate((("guided", guided_cfg), ("grpo", grpo_cfg))):
         label = GUIDED_RUNS[key]
+        if key == "grpo":
+            per_step = rows_per_step * results["SFT"]["sampled_tokens_mean"]
+            cfg = merge_values(cfg, {"trainer": {"max_steps": max(
+                sizes["grpo_steps"], round(training[GUIDED_RUNS["guided"]]["policy_tokens"] / per_step))}})
         console.rule(f"[bold]{i + 2}/4 {label}")
         t0 = time.perf_counter()
         trainer = GRPOTrainer(config_from_dict(cfg))
@@ -199,24 +325,37 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         seconds[label] = time.perf_counter() - t0
         results[label] = evaluate_arithmetic(trainer.policy, trainer.processor, samples)
         curves[label] = out / key / "metrics.jsonl"
-        training[label] = _training_summary(curves[label])
+        training[label] = _training_summary(curves[label], rows_per_step)
         del trainer
+    results = {name: results[name] for name in ("SFT", *GUIDED_RUNS.values())}
+    curves = {name: curves[name] for name in GUIDED_RUNS.values()}
 
     console.rule("[bold]4/4 held-out evaluation")
-    table = Table(title=f"held-out arithmetic problems (n={len(samples)}), single-turn greedy, no verifier",
-                  caption=f"train reward = {GUIDED_REWARD} (0.8 accuracy + 0.1 format + 0.1 hallucination score; "
-                          "0.5 without a verifier), of the final turn for dialogues; turns = policy turns per "
-                          f"training dialogue (at most {GUIDED_MAX_TURNS}); same SFT start, seed, "
-                          f"{sizes['grpo_steps']} steps x {sizes['prompts_per_step']} prompts x {sizes['n']} samples")
-    for title in ("model", "accuracy", "format", "train reward (first 5 -> last 5 steps)", "turns", "train s"):
-        table.add_column(title, justify="left" if title == "model" else "right")
+    table = Table(title=f"held-out arithmetic problems (n={len(samples)}): accuracy three ways",
+                  caption=f"greedy = single-turn greedy; guided = greedy dialogues of at most {EVAL_TURNS} turns "
+                          f"with the rule verifier, which sees the reference; pass@{EVAL_TURNS} = any of "
+                          f"{EVAL_TURNS} samples at temperature 1; format = greedy answers in the boxed format")
+    for title in ("model", "greedy", "guided", f"pass@{EVAL_TURNS}", "format"):
+        table.add_column(title, justify="left" if title == "model" else "right", no_wrap=True)
     for name, r in results.items():
-        t = training.get(name)
-        table.add_row(name, f"{r['accuracy']:.3f}", f"{r['format_rate']:.3f}",
-                      f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}" if t else "",
-                      f"{t['turns_mean']:.2f}" if t and "turns_mean" in t else ("1" if t else ""),
-                      f"{seconds[name]:.0f}")
+        table.add_row(name, f"{r['accuracy']:.3f}", f"{r['with_verifier']:.3f}", f"{r['pass_at_3']:.3f}",
+                      f"{r['format_rate']:.3f}")
     console.print(table)
+    runs = Table(title="the training runs",
+                 caption=f"reward = training reward ({GUIDED_REWARD}: 0.8 accuracy + 0.1 format + 0.1 hallucination "
+                         "score, 0.5 without a verifier; of the final turn for dialogues), mean of the first 5 -> "
+                         f"last 5 steps; turns = policy turns per training dialogue (at most {GUIDED_MAX_TURNS}); "
+                         f"tokens = policy tokens sampled; same SFT start and seed, {sizes['prompts_per_step']} "
+                         f"prompts x {sizes['n']} samples a step, GRPO as many steps as match Guided-GRPO's tokens")
+    for title in ("run", "reward", "turns", "steps", "tokens", "seconds"):
+        runs.add_column(title, justify="left" if title == "run" else "right", no_wrap=True)
+    runs.add_row("SFT", "", "", "", "", f"{seconds['SFT']:.0f}")
+    for name in GUIDED_RUNS.values():
+        t = training[name]
+        runs.add_row(name, f"{t['reward_first_5']:.3f} -> {t['reward_last_5']:.3f}",
+                     f"{t['turns_mean']:.2f}" if "turns_mean" in t else "1", f"{t['steps']}",
+                     f"{t['policy_tokens']:,}", f"{seconds[name]:.0f}")
+    console.print(runs)
     if quick:
         console.print(GUIDED_QUICK_NOTE)
 
@@ -228,12 +367,15 @@ def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False
         "task": "synthetic arithmetic word problems (grouprl.domains.reasoning.synthetic_math)",
         "reward": GUIDED_REWARD,
         "verifier": {"backend": "rule", "max_turns": GUIDED_MAX_TURNS, "train_scope": "full_turn"},
-        "evaluation": "single-turn greedy decoding on the held-out problems, no verifier",
+        "evaluation": (f"held-out problems: single-turn greedy (accuracy), greedy dialogues of at most {EVAL_TURNS} "
+                       f"turns with the rule verifier seeing the reference (with_verifier), any of {EVAL_TURNS} "
+                       "samples at temperature 1 (pass_at_3)"),
         "held_out_problems": len(samples),
         "sizes": sizes,
         "model": GUIDED_MODEL,
         "seed": seed,
         "models": results,
+        "feedback_check": feedback,
         "training": training,
         "seconds": seconds,
         "sft": sft_row,

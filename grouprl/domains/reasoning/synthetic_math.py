@@ -103,6 +103,22 @@ def correction_record(problem: Problem, index: int, wrong: str, reply: str) -> d
             "solution": problem.solution, "result": problem.result}
 
 
+def verifier_replies(problems: list[Problem]) -> list[str]:
+    """The rule verifier's replies to slipped, mis-set-up and unfinished solutions of ``problems``:
+    the phrases a tokenizer for this task should know."""
+    from grouprl.domains.reasoning.verifier import step_feedback
+
+    replies = []
+    for i, p in enumerate(problems):
+        first_step = p.solution.split(". ")[0] + "."
+        swapped = f"{p.a} {'-' if p.ops[0] == '+' else '+'} {p.b} = {abs(_apply(p.a, '-' if p.ops[0] == '+' else '+', p.b))}."
+        for attempt in (slip_solution(p, random.Random(f"corpus:{i}")), first_step, swapped):
+            feedback = step_feedback(attempt, p.solution)
+            if feedback is not None:
+                replies.append(" ".join(feedback))
+    return replies
+
+
 def _apply(x: int, op: str, y: int) -> int:
     return x + y if op == "+" else x - y
 
@@ -154,6 +170,7 @@ def corpus(max_value: int = 20) -> list[str]:
     problems = generate_problems(400, seed=-1, max_value=max_value)
     text = [p.text for p in problems] + [p.solution for p in problems]
     text += [str(i) for i in range(0, 3 * max_value + 1)]
+    text += verifier_replies(problems[:100])
     text += [  # what the rule verifier and the dialogue runner write between turns
         "Your answer is too high. Re-check the last computation that produced it.",
         "Your answer is too low. Re-check the last computation that produced it.",
@@ -163,5 +180,6 @@ def corpus(max_value: int = 20) -> list[str]:
         "What is your final answer, in that format?",
         "[SCORE] hallucination_detect=0", "[SCORE] hallucination_detect=1",
         "Please continue and provide the final answer in the required format.",
+        "That is not right. Try again.",  # the demo's content-free feedback (demo.TRY_AGAIN)
     ]
     return text

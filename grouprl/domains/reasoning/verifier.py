@@ -9,6 +9,7 @@ numbers. Registered as the verifier backend ``rule`` (``worker.rollout.verifier.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer, normalize_answer, parse_number
@@ -80,7 +81,10 @@ class RuleVerifier(Verifier):
                         "<answer>\\boxed{...}</answer>, with exactly one \\boxed{} inside.")
             question = "What is your final answer, in that format?"
         else:
-            guidance, question = _correction(gold, predicted)
+            # step-level feedback, as the seed's teacher prompt asks, when the reference is a worked
+            # solution the student's steps can be held against; else what is wrong with the answer
+            steps = step_feedback(last, request.reference) if request.reference is not None else None
+            guidance, question = steps if steps is not None else _correction(gold, predicted)
         lines = [guidance, question]
         if self.config.enable_hallucination_score:
             lines.append(f"[SCORE] hallucination_detect={self.hallucination_score(request)}")
@@ -92,6 +96,76 @@ class RuleVerifier(Verifier):
         last = request.turns[-1] if request.turns else ""
         known = _numbers_in(request.problem) | _numbers_in(request.reference or "")
         return 0 if _numbers_in(last) - known else 1
+
+
+# "a op b = c": one step of a worked solution. Signs are not part of the operands: the synthetic
+# problems never go negative, and "-" between two numbers is the operation.
+_STEP = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*([-+*/\u00d7\u00f7])\s*(\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)(?![\w])")
+_OPERATIONS = {"+": ("addition", lambda a, b: a + b), "-": ("subtraction", lambda a, b: a - b),
+               "*": ("multiplication", lambda a, b: a * b), "\u00d7": ("multiplication", lambda a, b: a * b),
+               "/": ("division", lambda a, b: a / b if b else None), "\u00f7": ("division", lambda a, b: a / b if b else None)}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``a op b = c`` step of a worked solution, as written (``result`` may be wrong)."""
+
+    a: Fraction
+    op: str
+    b: Fraction
+    result: Fraction
+    text: str
+
+    @property
+    def expression(self) -> str:
+        """The step as written, up to its ``=`` (``12 - 3``): what it computes, not what it got."""
+        return self.text.split("=")[0].strip()
+
+    @property
+    def operation(self) -> str:
+        return _OPERATIONS[self.op][0]
+
+    @property
+    def sound(self) -> bool:
+        """Whether the step's own arithmetic is right."""
+        return _OPERATIONS[self.op][1](self.a, self.b) == self.result
+
+
+def worked_steps(text: str) -> list[Step]:
+    """The ``a op b = c`` steps of ``text``, in order (``x`` and ``\u00f7`` read as their operations)."""
+    steps = []
+    for m in _STEP.finditer(text):
+        a, b, result = (parse_number(g) for g in (m.group(1), m.group(3), m.group(4)))
+        if None not in (a, b, result):
+            steps.append(Step(a, m.group(2), b, result, " ".join(m.group(0).split())))
+    return steps
+
+
+def step_feedback(turn: str, reference: str) -> tuple[str, str] | None:
+    """(guidance, question) naming the student's first wrong step against the reference's worked
+    solution, without its result; None when either has no steps to compare.
+
+    A step is wrong when its own arithmetic is wrong (it is named, with its operands, and the
+    student is asked to redo it), or when it combines other numbers or another operation than the
+    reference's step at that place (named by its position and the operation it should be). A
+    student who stops early is told how many of the needed steps are done; one whose steps are all
+    right but whose boxed answer is not their result is told that."""
+    expected, written = worked_steps(reference), worked_steps(turn)
+    if not expected or not written:
+        return None
+    for k, want in enumerate(expected, start=1):
+        done = "Your first step is right" if k == 2 else f"Your first {k - 1} steps are right"
+        if k > len(written):
+            return f"{done}, but the problem needs {len(expected)} steps.", "What is the next step?"
+        got = written[k - 1]
+        if (got.a, got.op, got.b) != (want.a, want.op, want.b):
+            return (f"Step {k} ({got.expression}) does not follow the problem: it should be the {want.operation} "
+                    "the problem describes next.", f"Which numbers does step {k} combine, and how?")
+        if not got.sound:
+            before = "" if k == 1 else f" {done}."
+            return f"Step {k}, the {got.operation} {got.expression}, is computed wrong.{before}", f"What is {got.expression}?"
+    return ("Your steps are right, but your boxed answer is not the result of your last step.",
+            "What does your last step give?")
 
 
 def _correction(gold: str, predicted: str) -> tuple[str, str]:
