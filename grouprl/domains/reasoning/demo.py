@@ -213,7 +213,8 @@ def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed
         prompts = []
         for i, message in zip(wrong, messages):
             length = int(first.response_mask[i].sum())
-            boundary = turn_boundary_ids(processor, message, after_end_of_turn=not bool(first.truncated[i]))
+            boundary = turn_boundary_ids(processor, message, after_end_of_turn=not bool(first.truncated[i]),
+                                         chat_template_kwargs=samples[i].chat_template_kwargs)
             ids = torch.cat([first.prompt_ids[i][first.prompt_mask[i].bool()], first.response_ids[i, :length],
                              torch.tensor(boundary, dtype=torch.long)])
             prompts.append(EncodedPrompt(ids, dict(first.model_inputs[i]) if first.model_inputs else {}))
