@@ -263,6 +263,10 @@ class VerifierConfig:
     enable_hallucination_score: bool = True  # parse "[SCORE] hallucination_detect=0|1" from replies
     # final_turn: train on the last policy turn only (the seed's original); full_turn: on every policy turn
     train_scope: str = field(default="full_turn", metadata=choices("final_turn", "full_turn"))
+    # full_turn's credit: shared (the seed's: every policy turn trains with the dialogue's reward, so a
+    # wrong first answer a later turn fixed is reinforced too) or mask_fixed (a dialogue the verifier
+    # stopped after a fix trains its final turn only; the turns it did not accept get no loss)
+    turn_credit: str = field(default="shared", metadata=choices("shared", "mask_fixed"))
     temperature: float = 0.2
     top_p: float = 0.95
     top_k: int = -1  # -1 = off
@@ -312,6 +316,9 @@ class VerifierConfig:
         """
         if self.max_turns < 1:
             raise ConfigError(f"config key '{key}.max_turns' must be >= 1; got {self.max_turns}")
+        if self.turn_credit == "mask_fixed" and self.train_scope != "full_turn":
+            raise ConfigError(f"config key '{key}.turn_credit' is mask_fixed, which needs '{key}.train_scope: "
+                              f"full_turn' ({self.train_scope} trains the last turn only)")
         if not self.stop_token.strip():
             # every reply starts with the empty string: each one would end the dialogue
             raise ConfigError(f"config key '{key}.stop_token' must not be empty or blank")

@@ -32,6 +32,10 @@ for the dialogues still open, and finished ones drop out.
 dialogue after the first prompt; template and verifier tokens have attention but
 no loss); ``final_turn`` trains the last policy turn alone, its prompt the whole
 dialogue before it (as the seed originally did).
+
+``turn_credit: mask_fixed`` (with ``full_turn``) takes the policy turns before the last out of the
+loss in a dialogue the verifier stopped on an accepted answer: the reward is the fixed answer's,
+and the earlier, wrong turns did not earn it (``shared``, the seed's, trains them with it too).
 """
 
 from __future__ import annotations
@@ -311,7 +315,8 @@ class MultiTurnRollout:
             body = d.segments[last:] if final else d.segments
             prompts.append(torch.cat([d.prompt.ids, *[s.ids for s in head]]))
             responses.append(torch.cat([s.ids for s in body]))
-            masks.append(torch.cat([torch.full((len(s.ids),), int(s.policy)) for s in body]))
+            masks.append(torch.cat([torch.full((len(s.ids),), int(s.policy and not self._unaccepted(d, s)))
+                                    for s in body]))
             if first.rollout_log_probs is not None:
                 log_probs.append(torch.cat([s.log_probs if s.policy and s.log_probs is not None
                                             else torch.zeros(len(s.ids)) for s in body]))
@@ -339,11 +344,20 @@ class MultiTurnRollout:
         self.last_metrics = self._metrics(dialogues)
         return batch
 
+    def _unaccepted(self, d: Dialogue, segment: Segment) -> bool:
+        """Whether ``turn_credit: mask_fixed`` takes ``segment`` out of the loss: a policy turn before
+        the last of a dialogue the verifier stopped (its answer accepted), so only the fix is trained."""
+        if self.config.turn_credit != "mask_fixed" or self.config.train_scope != "full_turn":
+            return False
+        return d.stop_reason == "stop" and segment.policy and segment is not _last_policy_segment(d)
+
     def _metrics(self, dialogues: list[Dialogue]) -> dict[str, float]:
         n = len(dialogues)
         replies = [r for d in dialogues for r in d.replies]
         metrics = {
             "multiturn/turns_mean": sum(len(d.turns) for d in dialogues) / n,
+            # policy turns out of the loss (turn_credit: mask_fixed), per dialogue
+            "multiturn/masked_turns": sum(self._unaccepted(d, s) for d in dialogues for s in d.segments) / n,
             "multiturn/hallucination_score": sum(d.hallucination_score() for d in dialogues) / n,
             "verifier/failures": float(sum(r.failed for r in replies)),
             # 1 when max_consecutive_failures ended the dialogues (the verifier taken as down)
@@ -354,6 +368,10 @@ class MultiTurnRollout:
         for reason in STOP_REASONS:
             metrics[f"multiturn/stop_{reason}"] = sum(d.stop_reason == reason for d in dialogues) / n
         return metrics
+
+
+def _last_policy_segment(d: Dialogue) -> Segment:
+    return next(s for s in reversed(d.segments) if s.policy)
 
 
 def _dialogue_record(d: Dialogue) -> list[dict]:

@@ -164,6 +164,31 @@ def test_stop_needs_a_final_answer_and_turns_are_capped(paths):
     assert verifier.seen and all(r.reference is None for r in verifier.seen)
 
 
+@pytest.mark.parametrize("credit", ["shared", "mask_fixed"])
+def test_turn_credit_decides_whether_turns_before_an_accepted_fix_train(paths, credit):
+    _, processor, engine = engine_for(paths, "lm")
+    # a correction after the first turn, STOP after the second: every dialogue is fixed at turn 2
+    verifier = ScriptedVerifier({1: "Wrong sign. [SCORE] hallucination_detect=1", 2: "###STOP###"})
+    multi = rollout(processor, verifier, max_turns=3, turn_credit=credit)
+    multi._has_final_answer = lambda text: True  # the random policy's turns pass for final answers
+    batch = multi.generate(engine, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=3))
+    assert set(batch.extras["stop_reason"]) == {"stop"} and set(batch.extras["num_turns"]) == {2}
+    for row, spans in enumerate(batch.extras["spans"]):
+        (first_start, first_end, _), _between, (last_start, last_end, _) = spans
+        mask = batch.policy_mask[row]
+        # the fix always trains; the turn the verifier did not accept trains only under shared credit
+        assert bool(mask[last_start:last_end].all()) and not mask[first_end:last_start].any()
+        assert bool(mask[first_start:first_end].all()) == (credit == "shared")
+        assert not mask[first_start:first_end].any() or credit == "shared"
+    masked = multi.last_metrics["multiturn/masked_turns"]
+    assert masked == (1.0 if credit == "mask_fixed" else 0.0)
+    # with final_turn the earlier turns never train: mask_fixed would say nothing, so it is refused
+    from grouprl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="turn_credit' is mask_fixed, which needs"):
+        VerifierConfig(enable=True, backend="rule", train_scope="final_turn", turn_credit="mask_fixed").check()
+
+
 def test_hallucination_scores_reach_the_rewards(paths):
     _, processor, engine = engine_for(paths, "lm")
     verifier = ScriptedVerifier({1: "Wrong sign. [SCORE] hallucination_detect=0",
