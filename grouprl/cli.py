@@ -231,7 +231,8 @@ class Demo:
     user gave ``--out`` (each demo has its own default directory, named in its help).
     ``run`` may be a ``"module:attr"`` reference, imported when the demo runs. ``options``
     are the demo's own command-line options, ``(flag, add_argument keywords)`` pairs, whose
-    values reach ``run`` by their argparse names; they may not be given with another demo.
+    values reach ``run`` by their argparse names; they may not be given with another demo. An
+    option several demos declare (the same flag, e.g. ``--seeds``) is one argument, for any of them.
     ``run`` may raise :class:`UsageError` for a bad use found before anything ran.
     """
 
@@ -275,13 +276,20 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         f"; by default: {default[0]}" if len(default) == 1 else "") + "."
     p.add_argument("--out", help="run directory (default: the demo's own, under runs/)")
     p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
-    owned: dict[str, tuple[str, str, Any]] = {}  # option's dest -> (its demo, how to name it, its default)
+    # option's dest -> (the demos that take it, how to name it, its default)
+    owned: dict[str, tuple[list[str], str, Any]] = {}
+    actions: dict[str, argparse.Action] = {}
     for name, demo in demos:
         if demo.flag:
             p.add_argument(demo.flag, action=_ChooseDemo, demo=name, dest="demos", default=[], help=demo.help)
         for flag, kwargs in demo.options:
-            action = p.add_argument(flag, **kwargs)
-            owned[action.dest] = (name, f"{flag} {action.metavar}" if action.metavar else flag, action.default)
+            if flag in actions:  # several demos take the same option (--seeds): one argument, each one's help
+                action = actions[flag]
+                owned[action.dest][0].append(name)
+                action.help = f"{action.help}; {kwargs['help']}" if kwargs.get("help") else action.help
+                continue
+            action = actions[flag] = p.add_argument(flag, **kwargs)
+            owned[action.dest] = ([name], f"{flag} {action.metavar}" if action.metavar else flag, action.default)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(demos=[], demo_options=owned)
 
@@ -293,14 +301,23 @@ def _and(flags: list[str]) -> str:
 def cmd_demo(args) -> int:
     demos = dict(DEMOS.items())
     chosen: list[str] = args.demos
-    for dest, (owner, option, unset) in args.demo_options.items():  # a demo's options go with that demo alone
-        if getattr(args, dest) != unset and chosen != [owner] and (chosen or not demos[owner].default):
-            flag = demos[owner].flag
-            others = [demos[n].flag for n in chosen if n != owner]
-            if flag is None:
-                raise UsageError(f"{option} is an option of the default demo; use it without {' or '.join(others)}")
-            raise UsageError(f"{option} is an option of the {flag} demo; use it with {flag}"
-                             + (f" (and without {' or '.join(others)})" if others else ""))
+    for dest, (owners, option, unset) in args.demo_options.items():  # a demo's options go with its demos alone
+        if getattr(args, dest) == unset or (len(chosen) == 1 and chosen[0] in owners):
+            continue
+        if not chosen and any(demos[o].default for o in owners):
+            continue
+        if len(owners) > 1:
+            if len(chosen) > 1 and set(chosen) <= set(owners):
+                continue  # several demos chosen: said below
+            flags = [demos[o].flag or "the default demo" for o in owners]
+            raise UsageError(f"{option} is an option of the {_and(flags)} demos; use it with one of them")
+        owner = owners[0]
+        flag = demos[owner].flag
+        others = [demos[n].flag for n in chosen if n != owner]
+        if flag is None:
+            raise UsageError(f"{option} is an option of the default demo; use it without {' or '.join(others)}")
+        raise UsageError(f"{option} is an option of the {flag} demo; use it with {flag}"
+                         + (f" (and without {' or '.join(others)})" if others else ""))
     if len(chosen) > 1:
         raise UsageError(f"{_and([demos[n].flag for n in chosen])} are separate demos; choose one")
     if chosen:
@@ -312,7 +329,7 @@ def cmd_demo(args) -> int:
             what = "no demo is" if not defaults else f"demos {', '.join(defaults)} are each"
             raise UsageError(f"{what} registered as the default; choose one with its flag ({flags})")
         name = defaults[0]
-    options = {dest: getattr(args, dest) for dest, (owner, _, _) in args.demo_options.items() if owner == name}
+    options = {dest: getattr(args, dest) for dest, (owners, _, _) in args.demo_options.items() if name in owners}
     out = {"out": args.out} if args.out else {}
     resolve(demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
     return 0

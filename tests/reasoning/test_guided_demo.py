@@ -98,3 +98,46 @@ def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, 
     assert any(row["accuracy"] > 0 for row in summary["models"].values())
     # and it says what it is, and what the full run shows
     assert words.count("--quick is the demo made small") == 1
+
+
+# the seeds' plumbing at the smallest sizes that run every stage: the quick sizes are for people
+PLUMBING = dict(train=48, corrections=8, val=12, max_value=10, sft_epochs=1, grpo_steps=1, n=2, prompts_per_step=2)
+
+
+def test_guided_seeds_report_intervals_and_paired_differences_from_each_seed(tmp_path, capsys, monkeypatch):
+    from grouprl.trainer.seed_stats import paired_interval, t_interval, verdict
+
+    monkeypatch.setattr(demo, "GUIDED_QUICK", PLUMBING)
+    out = tmp_path / "seeds"
+    argv = ["demo", "--guided", "--quick", "--seeds", "2", "--seed", "3", "--out", str(out)]
+    assert main(argv) == 0
+    agg = json.loads((out / "guided_seeds.json").read_text())
+    assert agg["seeds"] == [3, 4] and agg["k"] == 2 and agg["reused_seeds"] == []
+    seeds = {s: json.loads((out / f"seed_{s}" / "summary.json").read_text()) for s in (3, 4)}
+    assert [seeds[s]["seed"] for s in (3, 4)] == [3, 4]
+    # every number comes from the seeds' own summaries
+    for model in ("SFT", "SFT+GRPO", "SFT+Guided-GRPO"):
+        for _, key in demo.GUIDED_METRICS:
+            values = [seeds[s]["models"][model][key] for s in (3, 4)]
+            row, iv = agg["models"][model][key], t_interval(values)
+            assert row["values"] == values and (row["low"], row["high"]) == (pytest.approx(iv.low), pytest.approx(iv.high))
+    for better, worse in (("SFT+Guided-GRPO", "SFT+GRPO"), ("SFT+GRPO", "SFT")):
+        for _, key in demo.GUIDED_METRICS:
+            a, b = ([seeds[s]["models"][m][key] for s in (3, 4)] for m in (better, worse))
+            row = agg["paired"][f"{better} - {worse}"][key]
+            assert row["values"] == pytest.approx([x - y for x, y in zip(a, b)])
+            assert row["verdict"] == verdict(paired_interval(a, b))
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "paired by seed" in printed and "Guided-GRPO - GRPO" in printed and "GRPO - SFT" in printed
+
+    # run again: both seeds are complete and reused, nothing is trained
+    monkeypatch.setattr(demo, "_run_guided_demo", lambda *a, **k: pytest.fail("a complete seed must be reused"))
+    assert main(argv) == 0
+    assert json.loads((out / "guided_seeds.json").read_text())["reused_seeds"] == [3, 4]
+    # a seed directory holding files the demo does not write is refused before anything runs
+    (out / "seed_5").mkdir()
+    (out / "seed_5" / "notes.txt").write_text("mine")
+    assert main(["demo", "--guided", "--quick", "--seeds", "3", "--seed", "3", "--out", str(out)]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (out / "seed_5" / "notes.txt").read_text() == "mine"
+    assert main(["demo", "--guided", "--quick", "--seeds", "0", "--out", str(out)]) == 2
+    assert "--seeds must be at least 1" in capsys.readouterr().err

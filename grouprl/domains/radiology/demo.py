@@ -16,7 +16,7 @@
 `grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
 data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
 Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
-(paired by seed, grouprl.domains.radiology.seed_stats).
+(paired by seed, grouprl.trainer.seed_stats).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
+from grouprl.trainer.seed_stats import format_difference, format_mean
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
@@ -287,18 +288,6 @@ def _min_s(seconds: float) -> str:
     return f"{minutes} min {secs} s"
 
 
-def _fmt(iv: dict, digits: int) -> str:
-    if iv["low"] is None:
-        return f"{iv['mean']:.{digits}f}"
-    return f"{iv['mean']:.{digits}f} ± {iv['half_width']:.{digits}f}"
-
-
-def _fmt_diff(iv: dict) -> str:
-    if iv["low"] is None:
-        return f"{iv['mean']:+.3f}"
-    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
-
-
 def plot_seed_intervals(stats: dict, png: Path) -> None:
     """One panel per metric: each model's mean over seeds (bar), its 95% t-interval (error bar,
     when there are two seeds or more) and the seeds' own values (dots)."""
@@ -339,7 +328,7 @@ def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed
     from rich.console import Console
     from rich.table import Table
 
-    from grouprl.domains.radiology.seed_stats import summarize_seeds
+    from grouprl.trainer.seed_stats import summarize_seeds
 
     statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)
     console = Console()
@@ -377,7 +366,7 @@ def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed
     for title, _ in TABLE_COLUMNS:
         table.add_column(title, justify="right")
     for m, row in stats["models"].items():
-        table.add_row(m, *(_fmt(row[key], 1 if key == "mean_words" else 3) for _, key in TABLE_COLUMNS))
+        table.add_row(m, *(format_mean(row[key], 1 if key == "mean_words" else 3) for _, key in TABLE_COLUMNS))
     console.print(table)
 
     titles = dict((key, title) for title, key in TABLE_COLUMNS)
@@ -392,7 +381,7 @@ def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed
     for key in ORDERED_METRICS:
         cells = []
         for pair in pairs:
-            cells += [_fmt_diff(stats["paired"][pair][key]), stats["paired"][pair][key]["verdict"]]
+            cells += [format_difference(stats["paired"][pair][key]), stats["paired"][pair][key]["verdict"]]
         order_table.add_row(titles[key], *cells, stats["ordering_verdict"][key])
     console.print(order_table)
 

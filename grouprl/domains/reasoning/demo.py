@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -227,10 +228,12 @@ def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed
     n = len(wrong) * k
     gain = rates["verifier hint"] - rates[best_other]
     se = (sum(r * (1 - r) for r in (rates["verifier hint"], rates[best_other])) / n) ** 0.5
+    against = ", ".join(f"{rates['verifier hint'] - rates[other]:+.3f} against {other}"
+                        for other in ("try again", "resample"))
     if gain > 2 * se:
-        verdict = f"the verifier's hint fixes more wrong answers than {best_other} ({gain:+.3f}, 2 SE {2 * se:.3f})"
+        verdict = f"the verifier's hint fixes more wrong answers than either alternative ({against}; 2 SE {2 * se:.3f})"
     else:
-        verdict = (f"the verifier's hint fixes no more wrong answers than {best_other} ({gain:+.3f}, 2 SE "
+        verdict = (f"the verifier's hint fixes no more wrong answers than {best_other} ({against}; 2 SE "
                    f"{2 * se:.3f}): on this model, Guided-GRPO against GRPO cannot show the verifier's effect")
     return {**result, "fix_rate": rates, "hint_gain": gain, "hint_gain_2se": 2 * se, "verdict": verdict,
             "helps": gain > 2 * se}
@@ -254,8 +257,128 @@ def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
     return out
 
 
-def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False, seed: int = 0) -> dict:
-    """SFT, then GRPO and Guided-GRPO from the same SFT model; one table, summary.json, one plot."""
+def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False, seed: int = 0,
+                    seeds: int | None = None) -> dict:
+    """SFT, then GRPO and Guided-GRPO from the same SFT model; one table, summary.json, one plot.
+    With ``seeds`` K: that run for seeds seed .. seed+K-1 in <out>/seed_<s>/ and the statistics
+    over them (``run_guided_seeds``)."""
+    if seeds is not None:
+        from grouprl.cli import UsageError
+
+        try:  # K >= 1, and no seed directory holds another run's results or foreign files
+            statuses = {s: guided_seed_status(Path(out) / f"seed_{s}", s, GUIDED_QUICK if quick else GUIDED_FULL)
+                        for s in _seed_range(seed, seeds)}
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return run_guided_seeds(out, statuses, quick=quick)
+    return _run_guided_demo(out, quick=quick, seed=seed)
+
+
+# ---------------------------------------------------------------------------- `--guided --seeds K`
+#
+# The demo repeated over seeds seed .. seed+K-1, each a whole run in <out>/seed_<s>/ (its own
+# problems, tiny model, SFT start and RL runs); the models of one seed share data and SFT start,
+# so Guided-GRPO against GRPO, and GRPO against SFT, are judged on per-seed differences.
+
+GUIDED_METRICS = [("greedy", "accuracy"), ("guided", "with_verifier"), (f"pass@{EVAL_TURNS}", "pass_at_3")]
+GUIDED_ORDER = [GUIDED_RUNS["guided"], GUIDED_RUNS["grpo"], "SFT"]  # the seed's claim, best first
+# what one seed's run writes; anything else in its directory is not ours to delete
+_GUIDED_ENTRIES = {"data", "init_model", "sft", "sft_model", *GUIDED_RUNS, "guided_rewards.png", "summary.json"}
+
+
+def _seed_range(seed: int, seeds: int) -> range:
+    if seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+    return range(seed, seed + seeds)
+
+
+def guided_seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
+    """"new" (nothing there), "complete" (this seed's finished run at these sizes: its summary.json,
+    written last) or "incomplete" (only what the demo writes, no summary: an interrupted run, run
+    again from the start); a ValueError for another run's results or files the demo does not write."""
+    if not seed_dir.exists():
+        return "new"
+    if not seed_dir.is_dir():
+        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
+    summary_file = seed_dir / "summary.json"
+    if summary_file.exists():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
+        found = {"seed": summary.get("seed"), "sizes": summary.get("sizes"), "model": summary.get("model")}
+        wanted = {"seed": seed, "sizes": sizes, "model": GUIDED_MODEL}
+        if found != wanted:
+            differ = {k: found[k] for k in wanted if found[k] != wanted[k]}
+            raise ValueError(f"{seed_dir} holds another run's results ({differ}); choose another --out, or remove "
+                             "that directory")
+        return "complete"
+    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in _GUIDED_ENTRIES and not p.name.startswith("."))
+    if foreign:
+        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
+                         "choose another --out")
+    return "incomplete"
+
+
+def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool = False) -> dict:
+    """Each seed's run (a complete one reused, an interrupted one run again from the start), then each
+    model's mean accuracy (three ways) with its 95% t-interval, the paired differences Guided-GRPO -
+    GRPO and GRPO - SFT with their verdicts, and guided_seeds.json in ``out``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from grouprl.trainer.seed_stats import format_difference, format_mean, summarize_seeds
+
+    console = Console()
+    out = Path(out)
+    t_start = time.perf_counter()
+    per_seed, reused = {}, []
+    for s, status in statuses.items():
+        seed_dir = out / f"seed_{s}"
+        if status == "complete":
+            console.print(f"seed {s}: complete results in {seed_dir}, reused (not run again)")
+            reused.append(s)
+        else:
+            if status == "incomplete":
+                console.print(f"seed {s}: an interrupted run in {seed_dir}, run again from the start")
+                for entry in seed_dir.iterdir():
+                    if entry.name in _GUIDED_ENTRIES or entry.name.startswith("."):
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            _run_guided_demo(seed_dir, quick=quick, seed=s)
+        summary = json.loads((seed_dir / "summary.json").read_text())
+        per_seed[s] = {name: {key: row[key] for _, key in GUIDED_METRICS} for name, row in summary["models"].items()}
+    metrics = [key for _, key in GUIDED_METRICS]
+    stats = summarize_seeds(per_seed, metrics=metrics, order=GUIDED_ORDER)
+    k = stats["k"]
+    console.rule(f"[bold]{k} seed(s): {', '.join(map(str, stats['seeds']))}")
+    if k == 1:
+        console.print("one seed: means only; an interval needs at least 2 seeds (--seeds 2 or more)")
+    table = Table(title="held-out accuracy, mean over seeds ± the 95% t-interval's half-width")
+    table.add_column("model")
+    for title, _ in GUIDED_METRICS:
+        table.add_column(title, justify="right")
+    for name in stats["models"]:
+        table.add_row(name, *(format_mean(stats["models"][name][key]) for key in metrics))
+    console.print(table)
+    pairs = Table(title="paired by seed: the mean difference [95% interval] and its verdict")
+    for title in ("difference", "accuracy", "mean [interval]", "verdict"):
+        pairs.add_column(title, justify="right" if title == "mean [interval]" else "left",
+                         no_wrap=title != "verdict")
+    for pair, rows in stats["paired"].items():
+        label = pair.replace("SFT+", "")  # "Guided-GRPO - GRPO": the rows share the SFT start
+        for title, key in GUIDED_METRICS:
+            pairs.add_row(label, title, format_difference(rows[key]), rows[key]["verdict"])
+            label = ""
+    console.print(pairs)
+    result = {**stats, "metrics": dict(GUIDED_METRICS), "seed_dirs": {s: str(out / f"seed_{s}") for s in statuses},
+              "reused_seeds": reused, "wall_seconds": time.perf_counter() - t_start}
+    write_text_atomic(out / "guided_seeds.json", json.dumps(result, indent=2))
+    console.print(f"summary: {(out / 'guided_seeds.json').resolve()}")
+    return result
+
+
+def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False, seed: int = 0) -> dict:
+    """One seed's run: SFT, then Guided-GRPO and GRPO from the same SFT model."""
     from rich.console import Console
     from rich.table import Table
 

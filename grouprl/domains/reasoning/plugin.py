@@ -12,4 +12,9 @@ VERIFIER_BACKENDS.register("rule", "grouprl.domains.reasoning.verifier:RuleVerif
 DEMOS.register("guided", Demo(
     run="grouprl.domains.reasoning.demo:run_guided_demo", flag="--guided",
     help="Guided-GRPO's demo: synthetic arithmetic word problems, SFT, then GRPO and Guided-GRPO (rule verifier, "
-         "at most 3 turns) from the same SFT model, compared on held-out problems (default out runs/demo-guided)"))
+         "at most 3 turns) from the same SFT model, compared on held-out problems (default out runs/demo-guided)",
+    options=(("--seeds", dict(
+        type=int, metavar="K",
+        help="with --guided: the run for seeds seed..seed+K-1 (in <out>/seed_<s>/; finished seeds are reused), "
+             "then mean accuracies with 95%% t-intervals and the paired differences Guided-GRPO - GRPO and "
+             "GRPO - SFT")),)))
