@@ -361,8 +361,8 @@ def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool =
         table.add_row(name, *(format_mean(stats["models"][name][key]) for key in metrics))
     console.print(table)
     pairs = Table(title="paired by seed: the mean difference [95% interval] and its verdict")
-    for title in ("difference", "accuracy", "mean [interval]", "verdict"):
-        pairs.add_column(title, justify="right" if title == "mean [interval]" else "left",
+    for title in ("difference", "accuracy", "mean, 95% interval", "verdict"):
+        pairs.add_column(title, justify="right" if title.startswith("mean") else "left",
                          no_wrap=title != "verdict")
     for pair, rows in stats["paired"].items():
         label = pair.replace("SFT+", "")  # "Guided-GRPO - GRPO": the rows share the SFT start
