@@ -37,10 +37,10 @@ GUIDED_FULL = dict(train=2000, corrections=500, val=500, max_value=10, sft_epoch
 GUIDED_QUICK = dict(train=512, corrections=128, val=64, max_value=10, sft_epochs=8, grpo_steps=6, n=4,
                     prompts_per_step=4)
 GUIDED_QUICK_NOTE = (f"--quick is the demo made small ({GUIDED_QUICK['train']} problems, {GUIDED_QUICK['grpo_steps']} RL steps, "
-                     f"{GUIDED_QUICK['val']} held-out problems), so a difference "
-                     "of a few problems between rows is noise. The full run (grouprl demo --guided, about 7 minutes "
-                     "on 2 CPU cores) compares GRPO and Guided-GRPO on 500 held-out problems; at that scale neither "
-                     "beats the SFT model reliably (see the README).")
+                     f"{GUIDED_QUICK['val']} held-out problems), so a difference of a few problems between rows is "
+                     "noise. The full run (grouprl demo --guided, about 10 minutes on 2 CPU cores) does the same on "
+                     "500 held-out problems; over two seeds (--seeds 2) neither RL method beats the SFT model or "
+                     "the other beyond the noise (see the README).")
 GUIDED_REWARD = "guided"  # 0.8 accuracy + 0.1 format + 0.1 verifier hallucination score (0.5 without a verifier)
 GUIDED_MAX_TURNS = 3
 GUIDED_MODEL = dict(hidden_size=128, layers=4, heads=4, kv_heads=2, vocab_size=512)
