@@ -11,9 +11,11 @@ a mean but no interval (K - 1 = 0 degrees of freedom), and says so instead of a 
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import scipy.stats
 
@@ -184,3 +186,35 @@ def format_difference(iv: Mapping) -> str:
     if iv["low"] is None:
         return f"{iv['mean']:+.3f}"
     return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+
+
+# ---------------------------------------------------------------------------- a seed's run directory
+
+
+def seed_dir_status(seed_dir: Path, *, wanted: Mapping, describe: Callable[[dict], dict], entries: set[str]) -> str:
+    """What a seed's run directory holds: "new" (nothing), "complete" (a finished run whose
+    summary.json, written last and atomically, ``describe``s as ``wanted``: this seed, sizes and
+    model) or "incomplete" (only ``entries``, what the demo writes, and no summary.json: an
+    interrupted run). Anything else, another run's results or foreign files, is a ValueError, so
+    nothing is mixed or deleted. Dot files are temporaries of atomic writes."""
+    if not seed_dir.exists():
+        return "new"
+    if not seed_dir.is_dir():
+        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
+    summary_file = seed_dir / "summary.json"
+    if summary_file.exists():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
+        found = describe(summary)
+        if found != dict(wanted):
+            differ = {k: found.get(k) for k in wanted if found.get(k) != wanted[k]}
+            raise ValueError(f"{seed_dir} holds another run's results ({differ}; this run needs {dict(wanted)}); "
+                             "choose another --out, or remove that directory")
+        return "complete"
+    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in entries and not p.name.startswith("."))
+    if foreign:
+        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
+                         "choose another --out")
+    return "incomplete"

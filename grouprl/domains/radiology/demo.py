@@ -31,7 +31,7 @@ import torch
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
-from grouprl.trainer.seed_stats import format_difference, format_mean
+from grouprl.trainer.seed_stats import format_difference, format_mean, seed_dir_status
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
@@ -245,34 +245,13 @@ _SEED_DIR_ENTRIES = {"data", "init_model", "sft", "sft_model", *VARIANTS, "compa
 
 
 def seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
-    """What ``seed_dir`` holds for this seed: "new" (nothing), "complete" (a finished compare run
-    of this seed, sizes and model: its summary.json, written last and atomically) or "incomplete"
-    (only files run_demo writes, but no summary.json: an interrupted run). Anything else, such as
-    another run's results or foreign files, is a ValueError, so nothing is mixed or deleted."""
-    if not seed_dir.exists():
-        return "new"
-    if not seed_dir.is_dir():
-        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
-    summary_file = seed_dir / "summary.json"
-    if summary_file.exists():
-        try:
-            summary = json.loads(summary_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
-        found = {"seed": summary.get("seed"), "sizes": summary.get("sizes"), "model": summary.get("model"),
-                 "models": list(summary.get("models", {}))}
-        wanted = {"seed": seed, "sizes": sizes, "model": DEMO_MODEL, "models": COMPARE_MODELS}
-        if found != wanted:
-            differ = {k: found[k] for k in wanted if found[k] != wanted[k]}
-            raise ValueError(f"{seed_dir} holds another run's results ({differ}; this run needs {wanted}); "
-                             "choose another --out, or remove that directory")
-        return "complete"
-    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in _SEED_DIR_ENTRIES
-                     and not p.name.startswith("."))  # dot files: temporaries of atomic writes
-    if foreign:
-        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
-                         "choose another --out")
-    return "incomplete"
+    """What ``seed_dir`` holds for this seed (``seed_dir_status``): "new", "complete" (a finished
+    compare run of this seed, sizes and model) or "incomplete"; a ValueError for anything else."""
+    return seed_dir_status(
+        seed_dir, wanted={"seed": seed, "sizes": sizes, "model": DEMO_MODEL, "models": COMPARE_MODELS},
+        describe=lambda summary: {"seed": summary.get("seed"), "sizes": summary.get("sizes"),
+                                  "model": summary.get("model"), "models": list(summary.get("models", {}))},
+        entries=_SEED_DIR_ENTRIES)
 
 
 def check_seed_dirs(out: str | Path, *, seeds: int, seed: int = 0, quick: bool = False) -> dict[int, str]:

@@ -293,31 +293,15 @@ def _seed_range(seed: int, seeds: int) -> range:
 
 
 def guided_seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
-    """"new" (nothing there), "complete" (this seed's finished run at these sizes: its summary.json,
-    written last) or "incomplete" (only what the demo writes, no summary: an interrupted run, run
-    again from the start); a ValueError for another run's results or files the demo does not write."""
-    if not seed_dir.exists():
-        return "new"
-    if not seed_dir.is_dir():
-        raise ValueError(f"{seed_dir} is a file, not a seed's run directory; choose another --out")
-    summary_file = seed_dir / "summary.json"
-    if summary_file.exists():
-        try:
-            summary = json.loads(summary_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{summary_file} is not valid JSON ({exc.msg}); remove {seed_dir} to run it again") from exc
-        found = {"seed": summary.get("seed"), "sizes": summary.get("sizes"), "model": summary.get("model")}
-        wanted = {"seed": seed, "sizes": sizes, "model": GUIDED_MODEL}
-        if found != wanted:
-            differ = {k: found[k] for k in wanted if found[k] != wanted[k]}
-            raise ValueError(f"{seed_dir} holds another run's results ({differ}); choose another --out, or remove "
-                             "that directory")
-        return "complete"
-    foreign = sorted(p.name for p in seed_dir.iterdir() if p.name not in _GUIDED_ENTRIES and not p.name.startswith("."))
-    if foreign:
-        raise ValueError(f"{seed_dir} has no summary.json and holds files the demo does not write ({foreign}); "
-                         "choose another --out")
-    return "incomplete"
+    """What ``seed_dir`` holds for this seed (``seed_dir_status``): "new", "complete" (this seed's
+    finished run at these sizes) or "incomplete" (an interrupted run, run again from the start);
+    a ValueError for another run's results or files the demo does not write."""
+    from grouprl.trainer.seed_stats import seed_dir_status
+
+    return seed_dir_status(
+        seed_dir, wanted={"seed": seed, "sizes": sizes, "model": GUIDED_MODEL},
+        describe=lambda summary: {key: summary.get(key) for key in ("seed", "sizes", "model")},
+        entries=_GUIDED_ENTRIES)
 
 
 def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool = False) -> dict:
