@@ -69,6 +69,7 @@ def validate(config: Config) -> None:
     _positive("worker.actor.global_batch_size", actor.global_batch_size)
     _positive("worker.actor.micro_batch_size_per_device_for_update", actor.micro_batch_size_per_device_for_update)
     _positive("worker.actor.micro_batch_size_per_device_for_experience", actor.micro_batch_size_per_device_for_experience)
+    _positive("worker.actor.log_prob_chunk_tokens", actor.log_prob_chunk_tokens, allow_zero=True)
     _positive("worker.actor.ppo_epochs", actor.ppo_epochs)
     _positive("worker.actor.optim.lr", actor.optim.lr, allow_zero=True)
     if config.data.rollout_batch_size % actor.global_batch_size:

@@ -212,10 +212,6 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("algorithm.filter_high", "online filtering keeps groups whose mean is below this",
           "grouprl drops groups whose reward std <= algorithm.filter_min_std (all-equal groups by default)"),
     # ---------------------------------------------------------------- worker.actor
-    _note("worker.actor.padding_free", "unpadded (varlen) forward passes",
-          "grouprl runs padded micro-batches (worker.actor.micro_batch_size_per_device_for_*)"),
-    _note("worker.actor.dynamic_batching", "micro-batches packed by token count",
-          "grouprl's micro-batches hold a fixed number of responses"),
     _note("worker.actor.use_torch_compile", "torch.compile of the actor", "grouprl runs the actor eagerly"),
     # Sequence parallelism splits each sequence over GPUs; without it the micro-batch sizes the user
     # chose for that memory would fail late (out of memory): refused when > 1.

@@ -182,6 +182,17 @@ class ActorConfig:
     global_batch_size: int = 8  # prompts per optimizer step; x rollout.n responses
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward
     micro_batch_size_per_device_for_experience: int = 16  # responses per no-grad log-prob forward
+    # Padding-free forwards (EasyR1's key): the old, reference and update forwards run each
+    # micro-batch's sequences packed into one row, with positions restarting per sequence, so
+    # no pad token is computed (sdpa, eager or flash-attention; M-RoPE positions for Qwen-VL).
+    padding_free: bool = False
+    # Micro-batches formed by tokens, not rows (EasyR1's key and budget): at most
+    # micro_batch_size_per_device_for_* x (the batch's prompt + response width) tokens each,
+    # balanced, the same number on every process; the loss and its gradient do not change.
+    dynamic_batching: bool = False
+    # The output layer runs this many response tokens at a time (with activation checkpointing
+    # under gradients), so the [tokens, vocabulary] logits never exist whole; 0: all at once.
+    log_prob_chunk_tokens: int = 1024
     ppo_epochs: int = 1
     max_grad_norm: float = 1.0
     # PPO clip range of the `vanilla` loss (the other losses have their own sections below)

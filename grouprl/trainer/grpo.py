@@ -365,6 +365,11 @@ class GRPOTrainer(TrainingLoop):
         kl_on = algo.kl_coef > 0
         kl_in_reward = kl_on and not algo.use_kl_loss
         settings = self.update_settings
+        actor = cfg.worker.actor
+        if actor.dynamic_batching:
+            # EasyR1's budget: the micro-batch's rows times the batch's padded width
+            width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
+            settings = replace(settings, token_budget=actor.micro_batch_size_per_device_for_update * width)
         # With one update per rollout the sampling policy is the one being trained, so
         # its log-probs come for free from the update's own forward (ratio exactly 1).
         # (A stale batch, or one sampled by another engine, has other log-probs: recompute them.)
@@ -592,20 +597,36 @@ class GRPOTrainer(TrainingLoop):
     def _log_prob_fn(self, model, batch: RolloutBatch):
         from grouprl.rollout.logprobs import compute_log_probs
 
+        actor = self.config.worker.actor
         return compute_log_probs(model, batch, micro_batch_size=len(batch),
-                                 temperature=self.config.worker.rollout.temperature, with_entropy=True)
+                                 temperature=self.config.worker.rollout.temperature, with_entropy=True,
+                                 padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens)
+
+    def _experience_micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The no-grad forwards' micro-batches: fixed rows, or (dynamic_batching) a token budget."""
+        from grouprl.trainer.micro_batches import plan_micro_batches, row_token_counts
+
+        actor = self.config.worker.actor
+        budget = None
+        if actor.dynamic_batching:
+            budget = actor.micro_batch_size_per_device_for_experience * (batch.prompt_ids.shape[1]
+                                                                          + batch.response_ids.shape[1])
+        return plan_micro_batches(row_token_counts(batch), rows_per_micro_batch=actor.micro_batch_size_per_device_for_experience,
+                                  token_budget=budget, accelerator=self.accelerator)
 
     @torch.no_grad()
     def _log_probs(self, model, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs without gradient, computed the way the update computes them (same precision)."""
         from grouprl.rollout.logprobs import compute_log_probs
 
+        actor = self.config.worker.actor
         # the reference runs in its own (frozen) dtype; the policy as the update will run it
         context = self.precision.autocast(self.accelerator.device) if model is self.model else contextlib.nullcontext()
         with context:
-            return compute_log_probs(model, batch,
-                                     micro_batch_size=self.config.worker.actor.micro_batch_size_per_device_for_experience,
-                                     temperature=self.config.worker.rollout.temperature)[0]
+            return compute_log_probs(model, batch, micro_batch_size=actor.micro_batch_size_per_device_for_experience,
+                                     micro_batches=self._experience_micro_batches(batch),
+                                     temperature=self.config.worker.rollout.temperature,
+                                     padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens)[0]
 
     @torch.no_grad()
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -56,6 +56,7 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     assert cfg.data.train_files == ["hiyouga/math12k@train"] and cfg.data.prompt_key == "problem"
     assert cfg.data.max_prompt_length == 2048 and cfg.data.rollout_batch_size == 512
     assert cfg.worker.actor.global_batch_size == 128 and cfg.worker.rollout.tensor_parallel_size == 2
+    assert cfg.worker.actor.padding_free and cfg.worker.actor.dynamic_batching  # EasyR1's keys, grouprl's too
     assert cfg.worker.actor.model.lora.target_modules == ["all-linear"] and cfg.worker.actor.model.lora.alpha == 64
     assert cfg.worker.reward.reward_function == "./examples/reward_function/math.py:compute_score"
     assert cfg.trainer.total_epochs == 15 and cfg.trainer.save_limit == 3
@@ -63,8 +64,7 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert all("\n" not in line and line.startswith("grouprl: config key ") for line in logged)
     noted = _noted_keys(line.removeprefix("grouprl: ") for line in logged)
-    assert {"data.filter_overlong_prompts", "algorithm.disable_kl", "worker.actor.padding_free",
-            "worker.actor.ulysses_size", "worker.actor.fsdp", "worker.actor.offload", "worker.ref.fsdp",
+    assert {"data.filter_overlong_prompts", "algorithm.disable_kl", "worker.actor.ulysses_size", "worker.actor.fsdp", "worker.actor.offload", "worker.ref.fsdp",
             "worker.ref.offload", "worker.rollout.val_override_config", "trainer.n_gpus_per_node",
             "trainer.nnodes", "trainer.load_checkpoint_path", "trainer.find_last_checkpoint",
             "trainer.logger", "trainer.max_try_make_batch", "trainer.save_model_only"} <= noted
@@ -133,13 +133,13 @@ def test_a_mapped_key_and_its_grouprl_key_that_disagree_are_an_error():
 
 
 def test_noted_keys_are_never_silent():
-    values = {"trainer": {"n_gpus_per_node": 8, "nnodes": 2}, "worker": {"actor": {"padding_free": True}}}
+    values = {"trainer": {"n_gpus_per_node": 8, "nnodes": 2}, "worker": {"actor": {"use_torch_compile": True}}}
     ported, notes = port_values_with_notes(values)
     assert ported == {"trainer": {}, "worker": {"actor": {}}}
     assert values["trainer"]["n_gpus_per_node"] == 8  # the caller's values are left alone
     assert any(n.startswith("config key trainer.n_gpus_per_node=8: accepted, not used: grouprl takes the "
                             "process count from the launcher") for n in notes)
-    assert _noted_keys(notes) == {"trainer.n_gpus_per_node", "trainer.nnodes", "worker.actor.padding_free"}
+    assert _noted_keys(notes) == {"trainer.n_gpus_per_node", "trainer.nnodes", "worker.actor.use_torch_compile"}
 
 
 def test_the_table_maps_only_onto_grouprl_keys():
