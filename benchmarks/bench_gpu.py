@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu.py --trl --out bench_gpu.json        # GPU: editgrpo-3b and text-0.5b, every engine, TRL
     python benchmarks/bench_gpu.py --shape editgrpo-3b --engines vllm --trl --workdir /tmp/bench_gpu
+    python benchmarks/bench_gpu.py --batching padded packed_dynamic --trl   # also padding-free + dynamic batching
     python benchmarks/bench_gpu.py --device cpu --shape tiny --engines hf hf_static --steps 2 \\
         --override worker.rollout.static_cache.backend=eager     # CPU smoke run, under a minute
 
@@ -20,7 +21,9 @@ Shapes (random weights, grouprl's tiny byte-level tokenizer, real embedding-row 
 - ``tiny`` / ``tiny-vlm``: a 2-layer Qwen2 / Qwen2.5-VL of width 64 for a CPU smoke run
   (``--device cpu`` allows only these).
 
-Runs: for every shape, one grouprl run per engine (``--engines``, ``worker.rollout.engine``; vLLM is
+Runs: for every shape, one grouprl run per engine and batching mode (``--engines``,
+``worker.rollout.engine``; ``--batching``: ``padded``, the default, ``padding_free``, ``dynamic``
+and ``packed_dynamic``, EasyR1's ``padding_free`` and ``dynamic_batching``; vLLM is
 skipped, with the reason printed, where it cannot be imported or the device is a CPU), and with
 ``--trl`` one run of TRL's ``GRPOTrainer`` at the same settings (``use_vllm=True, vllm_mode="colocate"``
 where vLLM imports on a GPU, else its ``generate``). Each run is its own subprocess, one after the
@@ -85,6 +88,14 @@ sys.path.insert(0, str(HERE))
 import bench_vs_trl  # noqa: E402  (the text task and its reward, shared with the TRL comparison)
 
 ENGINES = ("hf", "hf_static", "vllm")
+# How the log-prob and update forwards batch their rows (--batching): padded rectangles (grouprl's
+# default), padding-free packed rows, micro-batches by token count, or both (EasyR1's setting)
+BATCHING = {
+    "padded": {},
+    "padding_free": {"worker.actor.padding_free": True},
+    "dynamic": {"worker.actor.dynamic_batching": True},
+    "packed_dynamic": {"worker.actor.padding_free": True, "worker.actor.dynamic_batching": True},
+}
 AIM_TOKENS_PER_S = 1800.0  # EasyR1's published figure for 3B, per GPU
 AIM_VS_TRL = 2.0
 INSTALL_HINT = "pip install 'grouprl[bench]'"
@@ -196,7 +207,7 @@ def build_spec(name: str, seed: int) -> dict:
 # ---------------------------------------------------------------------------- grouprl settings
 
 
-def grouprl_overrides(name: str, inputs: dict, args, engine: str, run_dir: Path) -> list[str]:
+def grouprl_overrides(name: str, inputs: dict, args, engine: str, run_dir: Path, batching: str = "padded") -> list[str]:
     """Dotted overrides of the EditGRPO recipe for one grouprl run (the user's ``--override`` last)."""
     shape = SHAPES[name]
     values = {
@@ -225,6 +236,7 @@ def grouprl_overrides(name: str, inputs: dict, args, engine: str, run_dir: Path)
     if args.no_edits:
         values["worker.rollout.extractor"] = False
         values["algorithm.force_gt_num"] = 0
+    values.update(BATCHING[batching])
     return [f"{k}={json.dumps(v)}" for k, v in values.items()] + list(args.override)
 
 
@@ -326,6 +338,7 @@ def run_grouprl(spec: dict) -> dict:
             **{key: v.get(f"timing/{key}") for key in TIMING_KEYS},
             "tokens": v.get("perf/tokens", 0.0), "responses": v.get("perf/samples", 0.0),
             "response_length_mean": v.get("response_length/mean"), "reward_mean": v.get("reward/mean"),
+            "pad_fraction": v.get("perf/pad_fraction"),
             **probe.read_and_reset(),
         })
     params = list(trainer.policy.parameters())
@@ -570,7 +583,7 @@ def summarize(result: dict) -> dict:
     return {
         "timed_steps": len(timed), "step_s": median("step_s"), **{key: median(key) for key in TIMING_KEYS},
         "tokens_per_step": tokens / len(timed), "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "response_length_mean": median("response_length_mean"),
+        "response_length_mean": median("response_length_mean"), "pad_fraction": median("pad_fraction"),
         "peak_allocated_bytes": max(peaks) if peaks else None, "device_used_max_bytes": max(used) if used else None,
     }
 
@@ -581,8 +594,8 @@ def _fmt(value, spec: str = ".1f", missing: str = "-") -> str:
 
 def print_table(report: dict) -> None:
     cols = ("shape", "run", "s/step", "rollout", "generate", "reward", "log-probs", "update", "sync",
-            "tokens/step", "tokens/s", "peak GiB", "vs TRL", "vs 1,800")
-    widths = (12, 22, 7, 8, 8, 7, 9, 7, 6, 11, 9, 8, 7, 8)
+            "tokens/step", "tokens/s", "pad", "peak GiB", "vs TRL", "vs 1,800")
+    widths = (12, 30, 7, 8, 8, 7, 9, 7, 6, 11, 9, 5, 8, 7, 8)
     line = " ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cols, widths, strict=True)))
     print()
     print(line)
@@ -590,19 +603,20 @@ def print_table(report: dict) -> None:
     for shape, entry in report["shapes"].items():
         for name, run in entry["runs"].items():
             if "error" in run:
-                print(f"{shape:<12} {name:<22} failed: {run['error'].splitlines()[0]}")
+                print(f"{shape:<12} {name:<30} failed: {run['error'].splitlines()[0]}")
                 continue
             s = run["summary"]
             peak = s["peak_allocated_bytes"] / 2**30 if s["peak_allocated_bytes"] is not None else None
             cells = [_fmt(s["step_s"], ".2f"), *(_fmt(s[k], ".2f") for k in TIMING_KEYS),
-                     _fmt(s["tokens_per_step"], ".0f"), _fmt(s["tokens_per_s"], ".0f"), _fmt(peak, ".1f"),
+                     _fmt(s["tokens_per_step"], ".0f"), _fmt(s["tokens_per_s"], ".0f"),
+                     _fmt(s.get("pad_fraction"), ".2f"), _fmt(peak, ".1f"),
                      _fmt(run.get("vs_trl"), ".2f"), _fmt(run.get("vs_aim"), ".2f")]
-            print(f"{shape:<12} {name:<22} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths[2:], strict=True)))
+            print(f"{shape:<12} {name:<30} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths[2:], strict=True)))
         for what, why in entry["skipped"].items():
-            print(f"{shape:<12} {what:<22} skipped: {why}")
+            print(f"{shape:<12} {what:<30} skipped: {why}")
     print(f"\n(median seconds per step over the timed steps, all but the first, device synchronised; tokens = "
           f"prompt + response tokens per step, as verl counts them; tokens/s = timed tokens / timed seconds, one "
-          f"device; peak = "
+          f"device; pad = the share of padding in the log-prob and update forwards (perf/pad_fraction); peak = "
           f"torch.cuda.max_memory_allocated; 'vs 1,800': EasyR1's published tokens/s per GPU for 3B, "
           f"editgrpo-3b only; aims: >= {AIM_TOKENS_PER_S:,.0f} tokens/s and >= {AIM_VS_TRL:.0f}x TRL)")
 
@@ -616,6 +630,10 @@ def parse_args(argv=None):
     p.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES),
                    help="grouprl's rollout engines, one run each (vllm is skipped where it cannot run; "
                         "none: TRL alone)")
+    p.add_argument("--batching", nargs="+", choices=list(BATCHING), default=["padded"],
+                   help="how grouprl's log-prob and update forwards batch rows; one run per engine and choice "
+                        "(padding_free: worker.actor.padding_free; dynamic: worker.actor.dynamic_batching; "
+                        "packed_dynamic: both)")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer at the same settings")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is untimed")
     p.add_argument("--n", type=int, default=None, help="responses per prompt (default: the shape's, 5)")
@@ -736,20 +754,20 @@ def main(argv=None) -> int:
             entry = {"inputs": inputs, "model_shape": shape.model, "runs": {}, "skipped": {}}
             report["shapes"][name] = entry
             config = None
-            for engine in args.engines:
-                label = f"grouprl {engine}"
+            for engine, batching in [(e, b) for e in args.engines for b in args.batching]:
+                label = f"grouprl {engine}" + ("" if batching == "padded" else f" {batching}")
                 if engine == "vllm" and no_vllm:
                     print(f"[bench] {name}: {label} skipped: {no_vllm}", flush=True)
                     entry["skipped"][label] = no_vllm
                     continue
-                run_dir = root / name / f"run_{engine}"
-                overrides = grouprl_overrides(name, inputs, args, engine, run_dir)
+                run_dir = root / name / f"run_{engine}_{batching}"
+                overrides = grouprl_overrides(name, inputs, args, engine, run_dir, batching)
                 config = resolved_config(overrides)
                 spec = {"kind": shape.kind, "device": args.device, "steps": args.steps, "threads": args.threads,
                         "overrides": overrides}
                 entry.setdefault("settings", _settings_of(config))
                 print(f"[bench] {name}: {label}, {args.steps} steps ...", end=" ", flush=True)
-                result, error = launch("grouprl", spec, root / name, f"grouprl_{engine}", args.timeout)
+                result, error = launch("grouprl", spec, root / name, f"grouprl_{engine}_{batching}", args.timeout)
                 failed |= _record(entry, label, result, error)
             if args.trl:
                 trl_overrides = _yaml_values(args.trl_override)

@@ -13,10 +13,14 @@ grouprl's real trainer, and reports:
 
     python benchmarks/bench_precision.py                 # a ~50M-parameter stand-in, CPU
     python benchmarks/bench_precision.py --shape 3b      # Qwen2.5-3B's text shape, on a GPU
+    python benchmarks/bench_precision.py --shape small_qwen_vocab --modes fp32 fp32_full_logits \
+        --tokens 256 --micro-batch 8                     # chunked log-probs against whole logits
 
 Modes: ``fp32`` (dtype float32), ``mixed`` (bfloat16 compute over fp32 masters, the
 default for bfloat16), ``adamw_bf16`` (parameters and AdamW state in bf16), ``lora``
-(rank-64 adapters over a bf16 base).
+(rank-64 adapters over a bf16 base); ``fp32_full_logits`` and ``mixed_full_logits`` are fp32
+and mixed with the log-probs taken from a micro-batch's whole ``[tokens, vocabulary]`` logits
+(``worker.actor.log_prob_chunk_tokens: 0``) instead of chunks of tokens through the output layer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ SHAPES = {
     # a CPU-sized stand-in with Qwen2's layout
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),
+    # the small stand-in with Qwen's 151,936-token vocabulary: the output layer's logits dominate
+    # a step's memory, as they do for real Qwen models at long responses
+    "small_qwen_vocab": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     # Qwen2.5-0.5B's and Qwen2.5-3B's text shapes (the language model of Qwen2.5-VL-3B is the 3B one)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -47,7 +55,12 @@ MODES = {
     "mixed": {"worker.actor.model.dtype": "bfloat16"},
     "adamw_bf16": {"worker.actor.model.dtype": "bfloat16", "worker.actor.optim.strategy": "adamw_bf16"},
     "lora": {"worker.actor.model.dtype": "bfloat16", "worker.actor.model.lora": {"rank": 64, "alpha": 128}},
+    # the same as fp32 and mixed, with the log-probs taken from the whole [tokens, vocabulary] logits
+    # of a micro-batch at once instead of chunks of log_prob_chunk_tokens (the default, 1024)
+    "fp32_full_logits": {"worker.actor.model.dtype": "float32", "worker.actor.log_prob_chunk_tokens": 0},
+    "mixed_full_logits": {"worker.actor.model.dtype": "bfloat16", "worker.actor.log_prob_chunk_tokens": 0},
 }
+DEFAULT_MODES = ["fp32", "mixed", "adamw_bf16", "lora"]
 
 
 def build(root: Path, shape: str) -> Path:
@@ -72,7 +85,8 @@ def build(root: Path, shape: str) -> Path:
     return root
 
 
-def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: int) -> dict:
+def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: int, micro_batch: int = 4,
+             chunk_tokens: int | None = None) -> dict:
     """Runs in the subprocess: one training step in ``mode``; returns what it measured."""
     import torch
 
@@ -83,8 +97,9 @@ def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: i
         "data.train_files": [str(root / "train.jsonl")], "data.max_response_length": tokens,
         "data.rollout_batch_size": prompts, "worker.actor.global_batch_size": prompts,
         "worker.actor.model.model_path": str(root / "model"), "worker.rollout.n": n,
-        "worker.actor.micro_batch_size_per_device_for_update": 4,
-        "worker.actor.micro_batch_size_per_device_for_experience": 8,
+        "worker.actor.micro_batch_size_per_device_for_update": micro_batch,
+        "worker.actor.micro_batch_size_per_device_for_experience": 2 * micro_batch,
+        **({"worker.actor.log_prob_chunk_tokens": chunk_tokens} if chunk_tokens is not None else {}),
         "worker.actor.model.enable_gradient_checkpointing": True,
         "worker.reward.functions": [{"name": "length", "kwargs": {"target": tokens}}],
         "algorithm.kl_coef": 0.01, "trainer.max_steps": 1, "trainer.logger": [], "trainer.device": device,
@@ -142,18 +157,22 @@ def tensor_bytes(trainer) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=DEFAULT_MODES)
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="worker.actor.log_prob_chunk_tokens of the chunked modes (default: grouprl's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64, help="response tokens per sample")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--micro-batch", type=int, default=4, help="responses per update forward")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args._child:
         root, mode = Path(args._child[0]), args._child[1]
-        result = one_step(root, mode, args.device, args.prompts, args.n, args.tokens)
+        result = one_step(root, mode, args.device, args.prompts, args.n, args.tokens, args.micro_batch,
+                          args.chunk_tokens)
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print("RESULT " + json.dumps(result))
         return
@@ -166,7 +185,10 @@ def main() -> None:
         root = build(Path(tmp), args.shape)
         for mode in args.modes:
             cmd = [sys.executable, __file__, "--_child", str(root), mode, "--device", device,
-                   "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens)]
+                   "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
+                   "--micro-batch", str(args.micro_batch)]
+            if args.chunk_tokens is not None:
+                cmd += ["--chunk-tokens", str(args.chunk_tokens)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:

@@ -67,7 +67,7 @@ def test_bench_gpu_cpu_smoke(tmp_path):
     assert entry["settings"]["kl_coef"] == 0.01  # the EditGRPO recipe's settings reached the runs
     for label, result in entry["runs"].items():
         check_gpu_run(result, steps=2)
-        assert result["engine"] == label.split()[-1]
+        assert result["engine"] == label.split()[1]
         # 2 prompts x 2 responses of at most 8 tokens, plus the prompts
         assert all(s["responses"] == 4 for s in result["steps"])
         assert result["vs_trl"] is None and result["vs_aim"] is None  # no TRL run; the aim is editgrpo-3b's
