@@ -40,6 +40,7 @@ EDITGRPO_COMMON = {
     "worker.actor.ppo_epochs": 1, "worker.actor.global_batch_size": 32, "worker.actor.model.freeze_vision_tower": True,
     "worker.actor.model.dtype": "bfloat16", "worker.reward.reward_server": "http://127.0.0.1:5000/predict",
     "worker.reward.reward_components": ["radgraphf1", "cxb14micro", "ratescore"], "worker.reward.type": "free_form",
+    "worker.actor.padding_free": True, "worker.actor.dynamic_batching": False,  # EditGRPO's EasyR1 config
 }
 EXPECTED = {
     "editgrpo_qwen25vl3b.yaml": {**EDITGRPO_COMMON, "algorithm.norm_adv_by_std_in_grpo": False,
@@ -72,6 +73,7 @@ EXPECTED = {
         "worker.rollout.verifier.temperature": 0.0, "worker.rollout.verifier.top_p": 0.95,
         "worker.rollout.verifier.max_tokens": 256, "worker.rollout.verifier.train_scope": "full_turn",
         "worker.rollout.verifier.api_key": None,  # from $GROUPRL_VERIFIER_API_KEY, never in the recipe
+        "worker.actor.padding_free": True, "worker.actor.dynamic_batching": True,
     },
 }
 EDIT_KEYS = {"extractor": True, "extractor_num_ops_per_para": 1, "extractor_num_para": -1,
