@@ -210,13 +210,15 @@ class TrainingLoop(abc.ABC):
         """Every process's metrics combined; the main process records each key's kind in metrics_schema.json.
 
         Counts under ``perf/`` (summed over processes) become rates, ``perf/{name}_per_s``, over
-        the slowest process's ``timing/step_s``.
+        the slowest process's ``timing/step_s``; other ``perf/`` keys (means such as
+        ``perf/micro_batches``) stay as they are.
         """
         self.schema_file.record(metrics, prefix)
+        kinds = dict(metrics.schema)
         values = metrics.reduce(self.accelerator)
         step_s = values.get("timing/step_s")
         if step_s:
-            for key in [k for k in values if k.startswith("perf/")]:
+            for key in [k for k in values if k.startswith("perf/") and kinds.get(k) == "sum"]:
                 values[f"{key}_per_s"] = values.pop(key) / step_s
         return values
 

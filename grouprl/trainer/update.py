@@ -7,7 +7,9 @@ precision, when gradients are reduced across processes, clipping, skipping
 non-finite steps, and how the loss is reported.
 
 A batch is anything with ``len()``, ``select(rows)`` and a ``loss_mask`` [B, T]
-(``RolloutBatch``). Every process must hold the same number of rows: under FSDP each
+(``RolloutBatch``); one that also has ``prompt_mask`` and ``response_mask`` can be cut
+into micro-batches by token count (``UpdateSettings.token_budget``, see
+``trainer.micro_batches``). Every process must hold the same number of rows: under FSDP each
 forward and backward is a collective, and under DDP each mini-batch must end in one
 gradient reduction on every process.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from grouprl.trainer.metrics import StepMetrics
+from grouprl.trainer.micro_batches import plan_micro_batches, row_token_counts
 from grouprl.trainer.parallel import clip_grad_norm, gradient_sync
 from grouprl.trainer.precision import Precision
 
@@ -56,6 +59,10 @@ class UpdateSettings:
     micro_batch_size: int = 4  # rows per forward/backward
     max_grad_norm: float = 1.0
     norm_len: float = 1.0
+    # Tokens (prompt + response, padding not counted) per micro-batch: micro-batches are then
+    # filled by tokens and ``micro_batch_size`` is not used (dynamic batching, for batches with
+    # prompt_mask / response_mask). None: ``micro_batch_size`` rows each.
+    token_budget: int | None = None
 
 
 def minibatch_rows(num_rows: int, num_minibatches: int) -> list[torch.Tensor]:
@@ -104,9 +111,11 @@ def run_update(
     """Train ``model`` on ``batch``; returns the number of optimizer steps taken.
 
     For each epoch, the rows are cut into mini-batches (one optimizer step each) and
-    each mini-batch into micro-batches of ``settings.micro_batch_size`` rows, whose
-    losses are backpropagated one at a time. ``loss_fn`` must aggregate with the
-    mini-batch ``Normalisers`` so that the micro-batch losses of all processes sum to
+    each mini-batch into micro-batches of ``settings.micro_batch_size`` rows, or of at
+    most ``settings.token_budget`` tokens when set and the batch has ``prompt_mask`` /
+    ``response_mask`` (``trainer.micro_batches.plan_micro_batches``; every process then
+    takes the same number), whose losses are backpropagated one at a time. ``loss_fn``
+    must aggregate with the mini-batch ``Normalisers`` so that the micro-batch losses of all processes sum to
     the mini-batch loss; the backward pass multiplies by the number of processes
     because DDP and FSDP average gradients over them.
 
@@ -119,13 +128,23 @@ def run_update(
     check_same_rows(len(batch), accelerator)
     plan = [rows for _ in range(settings.epochs) for rows in minibatch_rows(len(batch), settings.num_minibatches)]
     device = accelerator.device
+    by_tokens = settings.token_budget is not None and hasattr(batch, "prompt_mask") \
+        and hasattr(batch, "response_mask")
+    # the flow trainer's rows have no tokens: the budget does not apply to them
+    tokens = row_token_counts(batch) if by_tokens else None
     steps = skipped = 0
     model.train()
     try:
         for mb_rows in plan:
             mini = batch.select(mb_rows)
             norms = global_normalisers(mini, accelerator, settings.norm_len)
-            micro = list(torch.arange(len(mini)).split(settings.micro_batch_size))
+            # Composition does not change the loss: every micro-batch divides by the mini-batch totals.
+            if by_tokens:
+                micro = plan_micro_batches(tokens[mb_rows], rows_per_micro_batch=settings.micro_batch_size,
+                                           token_budget=settings.token_budget, accelerator=accelerator)
+            else:
+                micro = list(torch.arange(len(mini)).split(settings.micro_batch_size))
+            metrics.mean("perf/micro_batches", float(len(micro)))
             for i, rows in enumerate(micro):
                 part = mini.select(rows)
                 with gradient_sync(model, accelerator, enabled=i == len(micro) - 1):

@@ -19,7 +19,9 @@ REWARDS = HERE / "distributed" / "rank_rewards.py"
 
 
 def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path, torchrun):
-    """Same gradients as one process with the whole batch; pg_loss and kl_loss logged at their true value."""
+    """Same gradients as one process with the whole batch; pg_loss and kl_loss logged at their true value.
+
+    With micro-batches of fixed rows, and with a token budget whose plans differ between the processes."""
     from grouprl.models.tiny import build_tiny_text_lm
 
     model = build_tiny_text_lm(tmp_path / "model", ["a b c d e f g h i j k l"], seed=0)
@@ -36,6 +38,25 @@ def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path, torchr
             assert r["kl_loss_logged"] == pytest.approx(r["kl_loss_whole"], rel=1e-5), mode
         # a key only one process logs stops both with its name, instead of a size mismatch or a hang
         assert "only_on_rank_1" in result["schema_error"]
+
+    # dynamic batching (token budget): the processes' rows differ in length, so alone they
+    # would plan different numbers of micro-batches; they take the same number, within the
+    # budget, and the gradients are still the whole batch's
+    results = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["dynamic"] for rank in (0, 1)]
+    local = [r["local_micro_batches"] for r in results]
+    assert local == [4, 2], results  # rank 0: four rows of 11-12 tokens; rank 1: four of 6-7 tokens
+    for rank, result in enumerate(results):
+        assert set(result["modes"]) == {"token-mean", "seq-mean-token-mean"}
+        for mode, r in result["modes"].items():
+            assert r["micro_batches_taken"] == max(local), (rank, mode, r)
+            assert r["micro_batches_logged"] == max(local), (rank, mode, r)
+            assert all(tokens <= result["budget"] for tokens in r["micro_batch_tokens"]), (rank, mode, r)
+            assert sum(r["micro_batch_tokens"]) == sum(result["token_counts"]), (rank, mode, r)  # every row once
+            assert r["same_parameters"], mode
+            assert r["max_abs_grad"] > 1e-3, mode
+            assert r["max_abs_grad_diff"] <= 1e-6 * max(1.0, r["max_abs_grad"]), (rank, mode, r)
+            assert r["pg_loss_logged"] == pytest.approx(r["pg_loss_whole"], rel=1e-5), mode
+            assert r["kl_loss_logged"] == pytest.approx(r["kl_loss_whole"], rel=1e-5), mode
 
 
 @pytest.fixture(scope="module")

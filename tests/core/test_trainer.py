@@ -41,8 +41,9 @@ def test_text_model_trains_and_writes_run_directory(text_setup, tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("reward/mean", "rewards/accuracy/mean", "rewards/length/mean", "frac_reward_zero_std",
                 "actor/clipfrac", "actor/entropy", "response_length/mean", "response/truncation_rate",
-                "timing/step_s", "perf/tokens_per_s"):
+                "timing/step_s", "perf/tokens_per_s", "perf/micro_batches"):
         assert key in metrics[0], key
+    assert "perf/micro_batches_per_s" not in metrics[0]  # a mean per optimizer step, not a count made a rate
     rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 4 * 4
     assert {"prompt", "response", "rewards", "advantage", "score"} <= set(rollouts[0])

@@ -6,6 +6,11 @@ the optimizer sees. The oracle is the gradient of the loss defined on the whole
 batch, computed by each process on a plain copy of the model. The script writes
 what it measured to `<out>/rank<r>.json`; tests/test_distributed.py judges it.
 
+Then the same with dynamic batching (`UpdateSettings.token_budget`) on a batch whose
+first half (process 0) is long rows and second half (process 1) short ones: alone, the
+processes would plan different numbers of micro-batches; they must take the same
+number, and the gradients must still be the whole-batch oracle's.
+
     torchrun --nproc_per_node 2 tests/distributed/grad_check.py MODEL_DIR OUT_DIR
 """
 
@@ -32,18 +37,22 @@ class RecordingOptimizer(torch.optim.Optimizer):
                           if p.grad is not None})
 
 
-def make_batch(vocab: int, rows: int = 8, prompt: int = 5, response: int = 7):
+def make_batch(vocab: int, rows: int = 8, prompt: int = 5, response: int = 7, lengths=(7, 2, 5, 1, 6, 3, 7, 4),
+               prompt_lengths=None):
+    """``rows`` rows: responses of ``lengths`` tokens, prompts of ``prompt_lengths`` (left-padded; default all full)."""
     from grouprl.data.sample import Sample
     from grouprl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([7, 2, 5, 1, 6, 3, 7, 4])[:rows]  # unequal: token-mean and per-row norms differ
+    lengths = torch.tensor(lengths)[:rows]  # unequal: token-mean and per-row norms differ
     mask = (torch.arange(response).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    used = torch.full((rows,), prompt) if prompt_lengths is None else torch.tensor(prompt_lengths)[:rows]
+    prompt_mask = (torch.arange(prompt).unsqueeze(0) >= prompt - used.unsqueeze(1)).long()
     batch = RolloutBatch(
         samples=[Sample(messages=[{"role": "user", "content": "x"}], index=i) for i in range(rows)],
         group_index=torch.arange(rows) // 4,
         prompt_ids=torch.randint(3, vocab, (rows, prompt), generator=g),
-        prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
+        prompt_mask=prompt_mask,
         response_ids=torch.randint(3, vocab, (rows, response), generator=g),
         response_mask=mask, responses=[""] * rows, truncated=torch.zeros(rows, dtype=torch.bool))
     batch.advantages = torch.randn(rows, 1, generator=g).expand(rows, response) * mask
@@ -60,6 +69,7 @@ def main() -> None:
     from grouprl.rollout.logprobs import compute_log_probs
     from grouprl.trainer.grpo import grpo_loss
     from grouprl.trainer.metrics import StepMetrics
+    from grouprl.trainer.micro_batches import plan_micro_batches, row_token_counts
     from grouprl.trainer.precision import precision_policy
     from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 
@@ -74,7 +84,8 @@ def main() -> None:
     def log_prob_fn(model, mb):
         return compute_log_probs(model, mb, micro_batch_size=len(mb), temperature=1.0, with_entropy=True)
 
-    for mode in ("token-mean", "seq-mean-token-sum-norm"):
+    def check(mode: str, batch, rows, settings: UpdateSettings) -> tuple[dict, list[int]]:
+        """run_update on this process's ``rows`` against the oracle; (measures, tokens of each micro-batch taken)."""
         cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"}})
         loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor)
 
@@ -89,22 +100,51 @@ def main() -> None:
         model = accelerator.prepare(copy.deepcopy(base))
         optimizer = RecordingOptimizer(model.parameters())
         metrics = StepMetrics()
-        run_update(model, optimizer, batch.select(half), log_prob_fn=log_prob_fn, loss_fn=loss_fn,
-                   accelerator=accelerator, precision=precision_policy("float32"),
-                   settings=UpdateSettings(num_minibatches=1, micro_batch_size=3, max_grad_norm=1e9, norm_len=7.0),
+        forwards = []
+
+        def counting_log_prob_fn(m, mb):
+            forwards.append(int(row_token_counts(mb).sum()))
+            return log_prob_fn(m, mb)
+
+        run_update(model, optimizer, batch.select(rows), log_prob_fn=counting_log_prob_fn, loss_fn=loss_fn,
+                   accelerator=accelerator, precision=precision_policy("float32"), settings=settings,
                    metrics=metrics)
         (seen,) = optimizer.seen
         names = {id(p): name for name, p in accelerator.unwrap_model(model).named_parameters()}
         got = {names[i]: g for i, g in seen.items()}
         reduced = metrics.reduce(accelerator)
-        result["modes"][mode] = {
+        accelerator.free_memory()
+        return {
             "max_abs_grad_diff": max(float((got[n] - expected[n]).abs().max()) for n in expected),
             "max_abs_grad": max(float(g.abs().max()) for g in expected.values()),
             "same_parameters": sorted(got) == sorted(expected),
             "pg_loss_logged": reduced["actor/pg_loss"], "pg_loss_whole": float(parts["pg_loss"]),
             "kl_loss_logged": reduced["actor/kl_loss"], "kl_loss_whole": float(parts["kl_loss"]),
-        }
-        accelerator.free_memory()
+            "micro_batches_logged": reduced["perf/micro_batches"],
+        }, forwards
+
+    fixed = UpdateSettings(num_minibatches=1, micro_batch_size=3, max_grad_norm=1e9, norm_len=7.0)
+    for mode in ("token-mean", "seq-mean-token-sum-norm"):
+        result["modes"][mode], _ = check(mode, batch, half, fixed)
+
+    # dynamic batching: process 0 holds the long rows (12, 12, 11, 12 tokens: one micro-batch
+    # each under a budget of 14), process 1 the short ones (6, 7, 6, 6: two micro-batches
+    # alone, four once the processes agree); short prompts are left-padded
+    uneven = make_batch(base.config.vocab_size, lengths=(7, 7, 6, 7, 2, 3, 1, 2),
+                        prompt_lengths=(5, 5, 5, 5, 4, 4, 5, 4))
+    budget = 14
+    dynamic = UpdateSettings(num_minibatches=1, micro_batch_size=1, max_grad_norm=1e9, norm_len=7.0,
+                             token_budget=budget)
+    mine = uneven.select(half)
+    result["dynamic"] = {"budget": budget, "token_counts": row_token_counts(mine).tolist(),
+                         # this process's plan alone (no agreement)
+                         "local_micro_batches": len(plan_micro_batches(row_token_counts(mine), rows_per_micro_batch=1,
+                                                                       token_budget=budget)),
+                         "modes": {}}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        measured, taken = check(mode, uneven, half, dynamic)
+        result["dynamic"]["modes"][mode] = {**measured, "micro_batches_taken": len(taken),
+                                            "micro_batch_tokens": taken}
 
     # a metric one process logs and the other does not is an error naming it, not a hang
     metrics = StepMetrics()
