@@ -256,7 +256,7 @@ class GRPOTrainer(TrainingLoop):
         self.update_settings = UpdateSettings(
             num_minibatches=config.data.rollout_batch_size // actor.global_batch_size, epochs=actor.ppo_epochs,
             micro_batch_size=actor.micro_batch_size_per_device_for_update, max_grad_norm=actor.max_grad_norm,
-            norm_len=float(config.data.max_response_length))
+            norm_len=float(config.data.max_response_length), padding_free=actor.padding_free)
 
         from grouprl.models.loading import check_image_tokens
         from grouprl.rollout.engine import engine_class

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from grouprl.rollout.logprobs import pad_fraction
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.micro_batches import plan_micro_batches, row_token_counts
 from grouprl.trainer.parallel import clip_grad_norm, gradient_sync
@@ -63,6 +64,8 @@ class UpdateSettings:
     # filled by tokens and ``micro_batch_size`` is not used (dynamic batching, for batches with
     # prompt_mask / response_mask). None: ``micro_batch_size`` rows each.
     token_budget: int | None = None
+    # the log-prob function packs each micro-batch's rows (worker.actor.padding_free): for perf/pad_fraction
+    padding_free: bool = False
 
 
 def minibatch_rows(num_rows: int, num_minibatches: int) -> list[torch.Tensor]:
@@ -119,7 +122,10 @@ def run_update(
     the mini-batch loss; the backward pass multiplies by the number of processes
     because DDP and FSDP average gradients over them.
 
-    Reported (under ``prefix``): each part ``loss_fn`` names, summed over micro-batches
+    Reported: ``perf/micro_batches`` per optimizer step and, for token rows,
+    ``perf/pad_fraction``, the share of padding in the positions the forwards compute
+    (0 when ``settings.padding_free``: ``log_prob_fn`` then packs the rows).
+    Under ``prefix``: each part ``loss_fn`` names, summed over micro-batches
     and processes (its true value) and averaged over optimizer steps; ``grad_norm``;
     ``nonfinite_grad_steps``, optimizer steps skipped because the gradient norm was not
     finite (the gradients are dropped and the weights left as they were).
@@ -128,8 +134,8 @@ def run_update(
     check_same_rows(len(batch), accelerator)
     plan = [rows for _ in range(settings.epochs) for rows in minibatch_rows(len(batch), settings.num_minibatches)]
     device = accelerator.device
-    by_tokens = settings.token_budget is not None and hasattr(batch, "prompt_mask") \
-        and hasattr(batch, "response_mask")
+    has_tokens = hasattr(batch, "prompt_mask") and hasattr(batch, "response_mask")
+    by_tokens = settings.token_budget is not None and has_tokens
     # the flow trainer's rows have no tokens: the budget does not apply to them
     tokens = row_token_counts(batch) if by_tokens else None
     steps = skipped = 0
@@ -145,6 +151,9 @@ def run_update(
             else:
                 micro = list(torch.arange(len(mini)).split(settings.micro_batch_size))
             metrics.mean("perf/micro_batches", float(len(micro)))
+            if has_tokens:
+                metrics.mean("perf/pad_fraction", pad_fraction(mini.prompt_mask, mini.response_mask, micro,
+                                                               padding_free=settings.padding_free))
             for i, rows in enumerate(micro):
                 part = mini.select(rows)
                 with gradient_sync(model, accelerator, enabled=i == len(micro) - 1):

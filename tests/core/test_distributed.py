@@ -139,7 +139,10 @@ def noisy_length(prompts, completions, **kwargs):
 
 
 def test_fsdp_two_processes_train_save_and_resume_exactly(tmp_path, torchrun, read_jsonl):
-    """FSDP2, bf16 compute over fp32 masters, dropout and noisy rewards: resuming at step 2 reaches step 4's weights."""
+    """FSDP2, bf16 compute over fp32 masters, dropout and noisy rewards: resuming at step 2 reaches step 4's weights.
+
+    The forwards run packed (padding_free), in micro-batches by tokens, and through the output layer
+    three tokens at a time under activation checkpointing: the paths FSDP's hooks must see."""
     from grouprl.models.tiny import build_tiny_text_lm
 
     words = ["yes", "no", "maybe", "left", "right"]
@@ -151,7 +154,8 @@ def test_fsdp_two_processes_train_save_and_resume_exactly(tmp_path, torchrun, re
         "data": {"train_files": ["train.jsonl"], "max_response_length": 5, "rollout_batch_size": 4},
         "worker": {"actor": {"model": {"model_path": "model", "dtype": "bfloat16"}, "strategy": "fsdp",
                              "optim": {"lr": 1e-3}, "global_batch_size": 2,
-                             "micro_batch_size_per_device_for_update": 2},
+                             "micro_batch_size_per_device_for_update": 2, "padding_free": True,
+                             "dynamic_batching": True, "log_prob_chunk_tokens": 3},
                    "rollout": {"n": 2}, "reward": {"functions": [{"name": "noisy.py:noisy_length"}]}},
         "trainer": {"max_steps": 4, "save_freq": 2, "logger": ["jsonl"], "device": "cpu"},
     }

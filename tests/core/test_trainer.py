@@ -101,6 +101,41 @@ def test_gradient_accumulation_matches_one_micro_batch(text_setup, tmp_path):
         torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-4, atol=1e-7)
 
 
+def test_padding_free_and_dynamic_batching_give_the_padded_gradient(text_task, tmp_path):
+    """Packed rows, micro-batches by tokens and a chunked output layer: the optimizer sees the
+    gradient of padded fixed-size micro-batches, and perf/pad_fraction says what was saved."""
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight"]
+    # prompts of 1 to 8 words: the padded micro-batches hold left padding
+    task = text_task([{"problem": "Say " + " ".join(words[:k]), "answer": words[k - 1]} for k in range(1, 9)], words)
+    runs = {}
+    for name, overrides in {
+        "padded": {"worker.actor.micro_batch_size_per_device_for_update": 3, "worker.actor.log_prob_chunk_tokens": 0},
+        "packed": {"worker.actor.padding_free": True, "worker.actor.dynamic_batching": True,
+                   "worker.actor.micro_batch_size_per_device_for_update": 2, "worker.actor.log_prob_chunk_tokens": 5},
+    }.items():
+        cfg = text_config(task, tmp_path / name, **{
+            "trainer.max_steps": 1, "algorithm.loss_agg_mode": "seq-mean-token-sum-norm", "algorithm.kl_coef": 0.05,
+            "worker.actor.ppo_epochs": 2, **overrides})
+        trainer = GRPOTrainer(config_from_dict(cfg))
+        seen = []
+        step = trainer.optimizer.step
+
+        def recording_step(*args, _seen=seen, _trainer=trainer, _step=step, **kwargs):
+            _seen.append({n: p.grad.clone() for n, p in _trainer.policy.named_parameters() if p.grad is not None})
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = recording_step
+        runs[name] = (trainer.train(), seen)
+    (padded, padded_grads), (packed, packed_grads) = runs["padded"], runs["packed"]
+    assert len(padded_grads) == len(packed_grads) == 2  # two epochs: the second sees the old log-probs
+    for first, second in zip(padded_grads, packed_grads, strict=True):
+        assert any(g.abs().sum() > 0 for g in first.values())
+        for key in first:
+            torch.testing.assert_close(second[key], first[key], rtol=1e-4, atol=1e-6)
+    assert padded["perf/pad_fraction"] > 0.01 and packed["perf/pad_fraction"] == 0.0
+    assert padded["perf/micro_batches"] == 6.0 and packed["perf/micro_batches"] >= 1.0  # 16 rows in threes
+
+
 def test_save_limit_prunes_old_checkpoints(text_setup, tmp_path):
     cfg = text_config(text_setup, tmp_path / "run", **{"trainer.max_steps": 3, "trainer.save_freq": 1,
                                                        "trainer.save_limit": 2})
