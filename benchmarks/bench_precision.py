@@ -201,14 +201,14 @@ def main() -> None:
     params = base["parameters"]
     print(f"\none training step, {args.shape} shape ({params / 1e6:.0f}M parameters), {device}, "
           f"{args.prompts} prompts x {args.n} samples x {args.tokens} tokens, KL on\n")
-    print(f"{'mode':<12} {'peak ' + ('allocated' if device == 'cuda' else 'RSS'):>16} {'vs fp32':>8} "
+    print(f"{'mode':<18} {'peak ' + ('allocated' if device == 'cuda' else 'RSS'):>16} {'vs fp32':>8} "
           f"{'tensor bytes/param':>19} {'vs fp32':>8}   breakdown (bytes/param)")
     for mode, r in results.items():
         tb = r["tensor_bytes"]
         per_param = sum(tb.values()) / params
         base_per_param = sum(base["tensor_bytes"].values()) / params
         parts = ", ".join(f"{k} {v / params:.2f}" for k, v in tb.items() if v)
-        print(f"{mode:<12} {r[peak_key] / 2**30:>13.2f} GiB {r[peak_key] / base[peak_key]:>8.2f} "
+        print(f"{mode:<18} {r[peak_key] / 2**30:>13.2f} GiB {r[peak_key] / base[peak_key]:>8.2f} "
               f"{per_param:>19.2f} {per_param / base_per_param:>8.2f}   {parts}")
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "device": device, "settings": vars(args),
