@@ -1,5 +1,5 @@
 """The flow-matching recipes of examples/ (`kind: flow`): each loads with MM-GRPO's numbers, and each
-runs one step on the tiny pixel-space model through the overrides examples/run_tiny.sh uses.
+runs one step on the tiny SD3.5-shaped pipeline (two CLIPs, T5, VAE) through the overrides examples/run_tiny.sh uses.
 
 The other recipes: tests/core/test_examples.py."""
 
@@ -51,6 +51,19 @@ def test_flow_recipe_loads_with_the_seed_settings(recipe, tiny_examples):
     config = load_flow_config(tiny_examples.dir / recipe)  # unknown keys or bad values would raise here
     for key, value in EXPECTED[recipe].items():
         assert _get(config, key) == value, key
+
+
+def test_flow_recipes_tiny_model_is_sd3_with_t5_and_vae(tiny_examples):
+    from grouprl.domains.diffusion.models import load_flow_model
+
+    root = tiny_examples.built(RECIPES[0])
+    model = load_flow_model(root / tiny_examples.setup.MODELS["ocr"], max_sequence_length=16)
+    assert model.pipeline is not None and model.vae is not None
+    assert [type(e).__name__ for e in model.text_encoders] == [
+        "CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"]
+    embeds, _ = model.encode_prompts(['A sign that says "HELLO"'])
+    # CLIP's 77 tokens, then T5's: real T5 states, not the zeros SD3 puts there without T5
+    assert embeds.shape[1] == 77 + 16 and embeds[0, 77:].abs().sum() > 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
