@@ -15,9 +15,11 @@ same. Under ROOT it writes, once:
   solutions ending in ``<answer>\\boxed{N}</answer>`` (``grouprl.domains.reasoning.synthetic_math``), the
   task of recipes with a verifier: the rule verifier checks their boxed answers;
 - for flow-matching recipes (``kind: flow``), only when one is run (they need
-  ``grouprl[diffusion]``): ``flow_model/``, grouprl's tiny pixel-space SD3 transformer
-  (``grouprl.domains.diffusion.tiny.build_tiny_pixel_flow``, 16 x 16 RGB) with its tiny CLIP text
-  encoder, and ``ocr/train.txt``, prompts quoting a word to render (Flow-GRPO's OCR layout).
+  ``grouprl[diffusion]``): ``sd3_model/``, a tiny ``StableDiffusion3Pipeline`` directory with
+  SD3.5's parts (``grouprl.domains.diffusion.tiny.build_tiny_sd3_pipeline``: two CLIPs and a T5
+  text encoder, a VAE, 16 x 16 latents and images), so a recipe's tiny run takes the SD3.5 model's
+  path (three-encoder prompts, VAE latents and decoding), and ``ocr/train.txt``, prompts quoting a
+  word to render (Flow-GRPO's OCR layout).
 
 The overrides come from ``tiny_overrides.txt`` next to this file: its ``[all]`` lines for
 every language recipe (``[flow]`` instead for flow-matching recipes), its ``[reward_server]`` lines for recipes scored by the reward server (they
@@ -42,7 +44,7 @@ VQA_QUESTION = ("Which findings are present? Reason inside <think></think>, then
 VQA_REWARDS = {"answer_set_f1", "kg_consistency"}
 DATA_FILES = {"reports": "reports/data.json", "vqa": "vqa/data.jsonl", "math": "math/data.jsonl",
               "ocr": "ocr/train.txt"}  # per task, under ROOT
-MODELS = {"ocr": "flow_model"}  # the tiny model of a task, under ROOT (default: model)
+MODELS = {"ocr": "sd3_model"}  # the tiny model of a task, under ROOT (default: model)
 OCR_WORDS = ("HELLO", "grouprl", "STOP", "OPEN 24", "EXIT", "CAFE", "RL", "GRPO")
 NO_FINDING = "no finding"
 
@@ -78,11 +80,11 @@ def build_flow(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
     if not paths["ocr"].exists():
         paths["ocr"].parent.mkdir(parents=True, exist_ok=True)
         paths["ocr"].write_text("".join(f'A sign that says "{word}"\n' for word in OCR_WORDS))
-    if not (paths["model"] / "flow_model.json").exists():
-        from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
+    if not (paths["model"] / "model_index.json").exists():
+        from grouprl.domains.diffusion.tiny import build_tiny_sd3_pipeline
 
-        build_tiny_pixel_flow(paths["model"], seed=seed, image_size=16,
-                              corpus=[f'A sign that says "{word}"' for word in OCR_WORDS])
+        build_tiny_sd3_pipeline(paths["model"], seed=seed, sample_size=16,
+                                corpus=[f'A sign that says "{word}"' for word in OCR_WORDS])
     return paths
 
 

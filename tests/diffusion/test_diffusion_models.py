@@ -1,4 +1,5 @@
-"""Flow models built offline, saved, and loaded back: the tiny SD3 pipeline and the pixel-space demo model."""
+"""Flow models built offline, saved, and loaded back: the tiny SD3 pipeline (two CLIPs, T5, VAE; and
+without T5) and the pixel-space demo model."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ import torch
 pytest.importorskip("diffusers")
 
 from diffusers import StableDiffusion3Pipeline  # noqa: E402
-from transformers import CLIPTokenizer  # noqa: E402
+from transformers import CLIPTokenizer, T5TokenizerFast  # noqa: E402
 
 from grouprl.domains.diffusion import shapes  # noqa: E402
 from grouprl.domains.diffusion.models import FLOW_INDEX, load_flow_model, lora_target_modules  # noqa: E402
-from grouprl.domains.diffusion.tiny import build_clip_tokenizer, build_tiny_sd3_pipeline  # noqa: E402
+from grouprl.domains.diffusion.pipeline import encode, sample, schedule  # noqa: E402
+from grouprl.domains.diffusion.tiny import (  # noqa: E402
+    build_clip_tokenizer,
+    build_t5_tokenizer,
+    build_tiny_sd3_pipeline,
+)
 
 PROMPTS = ["a red square on the left", "two blue squares at the top"]
 
@@ -24,6 +30,11 @@ PROMPTS = ["a red square on the left", "two blue squares at the top"]
 @pytest.fixture(scope="module")
 def sd3_dir(tmp_path_factory):
     return build_tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def sd3_no_t5_dir(tmp_path_factory):
+    return build_tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3_no_t5"), seed=0, t5=False)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +59,31 @@ def test_clip_tokenizer_makes_task_words_single_tokens_and_reloads(tmp_path):
     assert again.model_max_length == 12
 
 
+def test_t5_tokenizer_makes_words_single_pieces_and_reloads(tmp_path):
+    tokenizer = build_t5_tokenizer(shapes.corpus() + ['A sign that says "HELLO"'], model_max_length=16)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    ids = tokenizer('A sign that says "HELLO"').input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == ["\u2581A", "\u2581sign", "\u2581that", "\u2581says",
+                                                    '\u2581"HELLO"', "</s>"]
+    # Unseen words fall back to characters, never the unknown token.
+    ids = tokenizer("A pink Dot").input_ids
+    assert tokenizer.unk_token_id not in ids and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "A pink Dot"
+    tokenizer.save_pretrained(tmp_path)
+    again = T5TokenizerFast.from_pretrained(tmp_path)
+    batch = ["two yellow squares on the right", ""]
+    padded = tokenizer(batch, padding="max_length", max_length=16).input_ids
+    assert again(batch, padding="max_length", max_length=16).input_ids == padded
+    assert padded[1] == [1] + [0] * 15
+
+
 def test_tiny_sd3_pipeline_loads_through_diffusers_and_generates(sd3_dir):
     index = json.loads((sd3_dir / "model_index.json").read_text())
-    assert index["_class_name"] == "StableDiffusion3Pipeline" and index["text_encoder_3"] == [None, None]
-    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3_dir, text_encoder_3=None, tokenizer_3=None)
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["text_encoder_3"] == ["transformers", "T5EncoderModel"] and index["tokenizer_3"][0] == "transformers"
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3_dir)
     pipeline.set_progress_bar_config(disable=True)
+    assert type(pipeline.text_encoder_3).__name__ == "T5EncoderModel"
     out = pipeline(PROMPTS[0], num_inference_steps=2, height=32, width=32, guidance_scale=2.0,
                    max_sequence_length=8, generator=torch.Generator().manual_seed(0))
     assert out.images[0].size == (32, 32) and out.images[0].mode == "RGB"
@@ -60,16 +91,25 @@ def test_tiny_sd3_pipeline_loads_through_diffusers_and_generates(sd3_dir):
 
 def test_load_flow_model_sd3_encodes_like_the_pipeline(sd3_dir):
     model = load_flow_model(sd3_dir, max_sequence_length=8)
-    assert model.pipeline is not None and model.vae is not None and len(model.text_encoders) == 2
+    assert model.pipeline is not None and model.vae is not None and len(model.text_encoders) == 3
     embeds, pooled = model.encode_prompts(PROMPTS)
-    # Two CLIPs of width 32, 77 tokens each, side by side, then 8 zero T5 tokens.
-    assert embeds.shape == (2, 77 + 8, 64) and pooled.shape == (2, 64)
+    # SD3.5's layout: the two CLIPs' 77 tokens (width 32 each, side by side, zero-padded to T5's 128),
+    # then the 8 T5 tokens; the pooled vector is the two CLIPs' only.
+    assert model.transformer.config.joint_attention_dim == 128
+    assert embeds.shape == (2, 77 + 8, 128) and pooled.shape == (2, 64)
+    assert torch.count_nonzero(embeds[:, :77, 64:]) == 0
     expected, _, expected_pooled, _ = model.pipeline.encode_prompt(
         PROMPTS, None, None, device="cpu", do_classifier_free_guidance=False, max_sequence_length=8)
     torch.testing.assert_close(embeds, expected)
     torch.testing.assert_close(pooled, expected_pooled)
+    # The last 8 tokens are T5's own states of the prompts (what SD3 leaves as zeros without T5).
+    tokenizer, t5 = model.tokenizers[2], model.text_encoders[2]
+    ids = tokenizer(PROMPTS, padding="max_length", max_length=8, truncation=True, return_tensors="pt").input_ids
+    torch.testing.assert_close(embeds[:, 77:], t5(ids).last_hidden_state)
+    assert embeds[:, 77:].abs().mean() > 0.1
     empty, _ = model.encode_prompts([""] * 2)
     assert not torch.allclose(empty[0], embeds[0])
+    assert not torch.allclose(empty[0, 77:], embeds[0, 77:])
     assert not any(p.requires_grad for e in model.text_encoders for p in e.parameters())
 
     assert model.latent_shape(32, 32) == (4, 32, 32) and model.default_size == 32
@@ -89,6 +129,37 @@ def test_sd3_vae_with_downsampling_scales_latents(tmp_path):
     latents = model.encode_images(torch.zeros(1, 3, 32, 64))
     assert latents.shape == (1, 4, 16, 32)
     assert model.decode(latents)[0].size == (64, 32)
+
+
+def test_t5_weights_reach_the_sampled_latents(sd3_dir):
+    # The sampler's latents depend on T5: changing only its weights changes them.
+    model = load_flow_model(sd3_dir, max_sequence_length=8)
+    sched = schedule(model.scheduler, 2)
+    noise = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
+
+    def latents():
+        text = encode(model, PROMPTS, guidance_scale=1.0)
+        return sample(model.transformer, text, noise, sched, guidance_scale=1.0, noise_level=0.0).final
+
+    before = latents()
+    assert before.shape == (2, 4, 32, 32) and torch.equal(latents(), before)  # deterministic
+    # New T5 token embeddings (rescaling T5's output would not do: SD3 layer-normalises its context).
+    embeddings = model.text_encoders[2].shared.weight
+    with torch.no_grad():
+        embeddings.copy_(torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(1)))
+    # T5's 8 of the 85 context tokens move the images by ~2e-3 (the CLIPs by ~0.1); without T5 not at all.
+    assert (latents() - before).abs().max() > 2e-4
+
+
+def test_sd3_without_t5_pads_zero_t5_tokens(sd3_no_t5_dir):
+    index = json.loads((sd3_no_t5_dir / "model_index.json").read_text())
+    assert index["text_encoder_3"] == [None, None] and index["tokenizer_3"] == [None, None]
+    model = load_flow_model(sd3_no_t5_dir, max_sequence_length=8)
+    assert len(model.text_encoders) == 2 and model.transformer.config.joint_attention_dim == 64
+    embeds, pooled = model.encode_prompts(PROMPTS)
+    # Two CLIPs of width 32, 77 tokens each, side by side, then 8 zero T5 tokens.
+    assert embeds.shape == (2, 77 + 8, 64) and pooled.shape == (2, 64)
+    assert torch.count_nonzero(embeds[:, 77:]) == 0 and torch.count_nonzero(embeds[:, :77]) > 0
 
 
 def test_load_flow_model_errors_name_the_path_and_component(sd3_dir, pixel_dir, tmp_path):

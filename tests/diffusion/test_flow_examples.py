@@ -1,5 +1,6 @@
-"""The flow-matching recipes of examples/ (`kind: flow`): each loads with MM-GRPO's numbers, and each
-runs one step on the tiny pixel-space model through the overrides examples/run_tiny.sh uses.
+"""The flow-matching recipes of examples/ (`kind: flow`): each loads with its source's numbers (MM-GRPO's
+for Flow-GRPO and Fast, verl-omni's for GRPO-Guard), and each runs one step on the tiny SD3.5-shaped
+pipeline (two CLIPs, T5, VAE) through the overrides examples/run_tiny.sh uses.
 
 The other recipes: tests/core/test_examples.py."""
 
@@ -30,7 +31,24 @@ EXPECTED = {
         "worker.rollout.sde_window_size": 3, "worker.rollout.sde_window_range": [0, 5],
         "algorithm.clip_range": 1e-5,
     },
+    # verl-omni's examples/grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh and its rollout and
+    # actor defaults (10 steps at 512 px, no KL); the SDE window it sets has no grpo_guard key here
+    "flow_grpo_guard_sd35m_ocr.yaml": {
+        "algorithm.name": "grpo_guard", "algorithm.clip_range": 2e-6, "algorithm.adv_clip_max": 5.0,
+        "algorithm.kl_coef": 0.0, "algorithm.global_std": True, "data.rollout_batch_size": 32,
+        "worker.rollout.n": 16, "worker.actor.num_minibatches": 2, "worker.actor.micro_batch_size": 16,
+        "worker.actor.model.lora.rank": 64, "worker.actor.model.lora.alpha": 128,
+        "worker.actor.optim.lr": 3e-4, "worker.actor.optim.weight_decay": 1e-4,
+        "worker.rollout.kind": "sde", "worker.rollout.noise_level": 1.2, "worker.rollout.guidance_scale": 4.0,
+        "worker.rollout.num_steps": 10, "worker.rollout.height": 512, "worker.rollout.width": 512,
+        "worker.rollout.val_num_steps": 50, "worker.rollout.val_images_to_log": 8,
+        "worker.actor.model.dtype": "bfloat16", "trainer.total_epochs": 15, "trainer.max_steps": 300,
+        "trainer.val_freq": 30, "trainer.save_freq": 30, "trainer.val_before_train": False,
+    },
 }
+# verl-omni's LoRA targets for Qwen-Image (attention and MLPs), under SD3's names
+GUARD_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                      "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 RECIPES = sorted(EXPECTED)
 
 
@@ -51,6 +69,24 @@ def test_flow_recipe_loads_with_the_seed_settings(recipe, tiny_examples):
     config = load_flow_config(tiny_examples.dir / recipe)  # unknown keys or bad values would raise here
     for key, value in EXPECTED[recipe].items():
         assert _get(config, key) == value, key
+
+
+def test_guard_recipe_lora_targets_are_verl_omnis_on_sd3(tiny_examples):
+    config = load_flow_config(tiny_examples.dir / "flow_grpo_guard_sd35m_ocr.yaml")
+    assert config.worker.actor.model.lora.target_modules == GUARD_LORA_TARGETS
+
+
+def test_flow_recipes_tiny_model_is_sd3_with_t5_and_vae(tiny_examples):
+    from grouprl.domains.diffusion.models import load_flow_model
+
+    root = tiny_examples.built(RECIPES[0])
+    model = load_flow_model(root / tiny_examples.setup.MODELS["ocr"], max_sequence_length=16)
+    assert model.pipeline is not None and model.vae is not None
+    assert [type(e).__name__ for e in model.text_encoders] == [
+        "CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"]
+    embeds, _ = model.encode_prompts(['A sign that says "HELLO"'])
+    # CLIP's 77 tokens, then T5's: real T5 states, not the zeros SD3 puts there without T5
+    assert embeds.shape[1] == 77 + 16 and embeds[0, 77:].abs().sum() > 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -1,15 +1,16 @@
-"""Tiny flow-matching models and CLIP tokenizers built offline, for tests and the CPU demo.
+"""Tiny flow-matching models and their tokenizers built offline, for tests and the CPU demo.
 
 Both builders save what they build and ``grouprl.domains.diffusion.models.load_flow_model``
 loads it back, so tests exercise the loading path of a real checkpoint:
 
-* ``build_tiny_sd3_pipeline``: a complete ``StableDiffusion3Pipeline`` (two CLIPs, no
-  T5, a small VAE) written by ``save_pretrained``;
+* ``build_tiny_sd3_pipeline``: a complete ``StableDiffusion3Pipeline`` with SD3.5's three
+  text encoders (two CLIPs and a T5) and a small VAE, written by ``save_pretrained``;
 * ``build_tiny_pixel_flow``: the demo model, an SD3 transformer that works directly on
   RGB pixels, with one small CLIP text encoder, in grouprl's ``flow_model.json`` layout.
 
-The tokenizers are CLIP byte-level BPEs trained here on the shapes task's prompts:
-diffusers' own tiny test fixtures download theirs from the hub.
+The tokenizers are built here from a corpus (by default the shapes task's prompts):
+CLIP byte-level BPEs, and a T5 unigram tokenizer with a piece per word. diffusers' own
+tiny test fixtures download theirs from the hub.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from grouprl.domains.diffusion import shapes
 from grouprl.domains.diffusion.models import FLOW_FORMAT, FLOW_INDEX
@@ -78,6 +79,48 @@ def build_clip_tokenizer(corpus: Sequence[str], *, model_max_length: int = 77):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
+T5_PAD, T5_EOS, T5_UNK = "<pad>", "</s>", "<unk>"
+_METASPACE = "\u2581"  # SentencePiece's word-start mark
+# Pieces for text the corpus never had: each printable ASCII character, alone and word-initial.
+_T5_FALLBACK = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+
+
+def build_t5_tokenizer(corpus: Sequence[str], *, model_max_length: int = 256):
+    """A ``T5TokenizerFast`` (a unigram model, as T5's SentencePiece one) with a piece per word of ``corpus``.
+
+    T5's layout: ``<pad>`` 0, ``</s>`` 1 (appended to every text), ``<unk>`` 2, then the
+    pieces; words split at whitespace and take SentencePiece's word-start mark. Every
+    whitespace-separated word of the corpus is one piece; other text falls back to
+    single characters (any printable ASCII character encodes; others are ``<unk>``).
+    No ``<extra_id_N>`` sentinels: an encoder-only T5 never sees them.
+    """
+    from transformers import T5TokenizerFast
+
+    corpus = list(corpus)
+    if not corpus or not all(isinstance(text, str) for text in corpus):
+        raise ValueError("build_t5_tokenizer: corpus must be a non-empty list of strings")
+    words = sorted({word for text in corpus for word in text.split()})
+    chars = sorted(set(_T5_FALLBACK) | {c for word in words for c in word})
+    # Unigram log-probabilities: a whole word (-1) always beats spelling it out (-5 a character).
+    pieces = [(T5_PAD, 0.0), (T5_EOS, 0.0), (T5_UNK, 0.0), (_METASPACE, -2.0)]
+    pieces += [(_METASPACE + word, -1.0) for word in words]
+    pieces += [(piece, -5.0) for c in chars for piece in (_METASPACE + c, c)]
+    vocab: dict[str, float] = {}
+    for piece, score in pieces:  # a one-letter word's piece keeps its word score
+        vocab.setdefault(piece, score)
+    backend = Tokenizer(models.Unigram(list(vocab.items()), unk_id=2, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement=_METASPACE, prepend_scheme="always", split=True),
+    ])
+    backend.decoder = decoders.Metaspace(replacement=_METASPACE, prepend_scheme="always", split=True)
+    # T5's own end of text (transformers 5 sets the same template itself; 4.x keeps this one)
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", T5_EOS], pair=["$A", T5_EOS, "$B", T5_EOS], special_tokens=[(T5_EOS, 1)])
+    return T5TokenizerFast(tokenizer_object=backend, eos_token=T5_EOS, unk_token=T5_UNK, pad_token=T5_PAD,
+                           extra_ids=0, model_max_length=model_max_length)
+
+
 def _seeded(seed: int, build: Callable):
     # Fork the RNG so building a model does not move the caller's random stream.
     with torch.random.fork_rng(devices=[]):
@@ -104,6 +147,24 @@ def _clip_text_encoder(tokenizer, *, seed: int, hidden_size: int, projection_dim
     return _seeded(seed, lambda: CLIPTextModelWithProjection(config).eval())
 
 
+def _t5_encoder(tokenizer, *, seed: int, hidden_size: int, layers: int, heads: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=hidden_size,
+        d_kv=hidden_size // heads,
+        d_ff=2 * hidden_size,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return _seeded(seed, lambda: T5EncoderModel(config).eval())
+
+
 def build_tiny_sd3_pipeline(
     out_dir: str | Path,
     *,
@@ -114,19 +175,27 @@ def build_tiny_sd3_pipeline(
     num_attention_heads: int = 4,
     attention_head_dim: int = 8,
     text_hidden_size: int = 32,
+    t5: bool = True,
     vae_blocks: int = 1,
     shift: float = 3.0,
 ) -> Path:
     """Build a randomly initialised ``StableDiffusion3Pipeline`` and ``save_pretrained`` it to ``out_dir``.
 
     ``sample_size`` is the latent side; images are ``sample_size * 2 ** (vae_blocks - 1)``
-    pixels (32 by default, one VAE block not downsampling). The two CLIPs are two
-    layers of ``text_hidden_size`` (SD3 reads their second-last hidden states); their
-    tokens concatenate to the transformer's ``joint_attention_dim`` and their pooled
-    vectors to its ``pooled_projection_dim``. There is no T5 (``text_encoder_3`` and
-    ``tokenizer_3`` are None), as SD3 allows; diffusers then loads the directory with
-    ``StableDiffusion3Pipeline.from_pretrained(out_dir, text_encoder_3=None, tokenizer_3=None)``,
-    as it loads SD3 without T5. ``shift`` is SD3's scheduler shift.
+    pixels (32 by default, one VAE block not downsampling). The text side is SD3.5's:
+
+    * two CLIPs, two layers of ``text_hidden_size`` each (SD3 reads their second-last
+      hidden states), 77 tokens; their pooled vectors concatenate to the transformer's
+      ``pooled_projection_dim``, their tokens side by side to ``2 * text_hidden_size``;
+    * a T5 encoder (one layer, width ``4 * text_hidden_size``, twice the CLIPs' together,
+      as SD3.5's 4096 is twice 768 + 1280) whose width is the transformer's
+      ``joint_attention_dim``: SD3 zero-pads the CLIP tokens to it and appends the T5
+      tokens, so a prompt is 77 + ``max_sequence_length`` tokens.
+
+    ``t5=False`` leaves T5 out (``text_encoder_3`` and ``tokenizer_3`` None), as SD3
+    allows: the joint width is then the CLIPs' and the T5 tokens are zeros; diffusers
+    loads such a directory with ``from_pretrained(out_dir, text_encoder_3=None,
+    tokenizer_3=None)``. ``shift`` is SD3's scheduler shift.
     """
     from diffusers import (
         AutoencoderKL,
@@ -140,6 +209,8 @@ def build_tiny_sd3_pipeline(
         raise ValueError(f"build_tiny_sd3_pipeline: vae_blocks must be >= 1, got {vae_blocks}")
     corpus = list(corpus) if corpus is not None else shapes.corpus()
     latent_channels = 4
+    t5_hidden_size = 4 * text_hidden_size
+    joint_attention_dim = t5_hidden_size if t5 else 2 * text_hidden_size
     transformer = _seeded(seed, lambda: SD3Transformer2DModel(
         sample_size=sample_size,
         patch_size=2,
@@ -148,7 +219,7 @@ def build_tiny_sd3_pipeline(
         num_layers=num_layers,
         attention_head_dim=attention_head_dim,
         num_attention_heads=num_attention_heads,
-        joint_attention_dim=2 * text_hidden_size,
+        joint_attention_dim=joint_attention_dim,
         caption_projection_dim=num_attention_heads * attention_head_dim,
         pooled_projection_dim=2 * text_hidden_size,
         pos_embed_max_size=sample_size // 2,
@@ -175,6 +246,12 @@ def build_tiny_sd3_pipeline(
         tokenizers.append(tokenizer)
         encoders.append(_clip_text_encoder(tokenizer, seed=seed + 2 + i, hidden_size=text_hidden_size,
                                            projection_dim=text_hidden_size, layers=2, heads=2))
+    if t5:
+        tokenizers.append(build_t5_tokenizer(corpus))
+        encoders.append(_t5_encoder(tokenizers[2], seed=seed + 4, hidden_size=t5_hidden_size, layers=1, heads=2))
+    else:
+        tokenizers.append(None)
+        encoders.append(None)
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
@@ -183,8 +260,8 @@ def build_tiny_sd3_pipeline(
         tokenizer=tokenizers[0],
         text_encoder_2=encoders[1],
         tokenizer_2=tokenizers[1],
-        text_encoder_3=None,
-        tokenizer_3=None,
+        text_encoder_3=encoders[2],
+        tokenizer_3=tokenizers[2],
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
