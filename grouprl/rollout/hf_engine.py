@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterable
 from typing import Iterator
 
@@ -61,7 +60,6 @@ class HFGenerationEngine(RolloutEngine):
         self.eos_token_ids = _eos_token_ids(processor, model)
         self.suppressed_token_ids = placeholder_token_ids(model)
         self.holds_weights = holds_weights
-        self._prompt_cache: dict[str, torch.Tensor] = {}  # a text prompt's key -> its token ids
         if holds_weights:
             unwrap_model(model).requires_grad_(False)
 
@@ -136,36 +134,14 @@ class HFGenerationEngine(RolloutEngine):
     def _encode(self, samples: list[Sample], prompts: list[EncodedPrompt] | None):
         """Left-padded prompt ids, mask and per-prompt model inputs, from messages or given token ids."""
         if prompts is None:
-            return self._encode_samples(samples)
+            return encode_prompts(self.processor, samples, max_prompt_length=self.max_prompt_length,
+                                  truncation=self.truncation)
         if len(prompts) != len(samples):
             raise ValueError(f"got {len(prompts)} encoded prompts for {len(samples)} samples")
         # A continuation is not held to max_prompt_length (that is the first prompt's limit): a
         # dialogue's context grows by design, and whoever continues it owns its length budget.
         ids, mask = left_pad([p.ids for p in prompts], self.pad_token_id)
         return ids, mask, [dict(p.model_inputs) for p in prompts]
-
-    def _encode_samples(self, samples: list[Sample]):
-        """``encode_prompts`` of ``samples``, a text prompt's tokens remembered from the last time it came.
-
-        Each epoch brings the same prompts back, and rendering the chat template and tokenizing
-        cost more than the generation of a small model's short responses. Samples with images
-        are encoded every time (their key would be the pixels).
-        """
-        keys = [None if sample.images else _prompt_key(sample) for sample in samples]
-        rows = [self._prompt_cache.get(key) if key is not None else None for key in keys]
-        inputs: list[dict] = [{} for _ in samples]
-        todo = [i for i, row in enumerate(rows) if row is None]
-        if todo:
-            ids, mask, encoded = encode_prompts(self.processor, [samples[i] for i in todo],
-                                                max_prompt_length=self.max_prompt_length, truncation=self.truncation)
-            for i, row_ids, row_mask, extra in zip(todo, ids, mask, encoded):
-                rows[i], inputs[i] = row_ids[row_mask.bool()], extra
-                if keys[i] is not None and not extra:
-                    if len(self._prompt_cache) >= _PROMPT_CACHE_SIZE:
-                        self._prompt_cache.clear()
-                    self._prompt_cache[keys[i]] = rows[i]
-        ids, mask = left_pad(rows, self.pad_token_id)
-        return ids, mask, inputs
 
     def _generate_rows(self, model, ids: torch.Tensor, mask: torch.Tensor, inputs: list[dict],
                        config: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,17 +191,6 @@ class HFGenerationEngine(RolloutEngine):
         ids = ids.masked_fill(mask == 0, self.pad_token_id)
         keep = int(mask.sum(dim=1).max()) if len(mask) else 0
         return ids[:, :keep], mask[:, :keep], ~has_eos
-
-
-_PROMPT_CACHE_SIZE = 4096  # text prompts remembered (their token ids); emptied when full
-
-
-def _prompt_key(sample: Sample) -> str | None:
-    """What a text prompt's encoding depends on besides the engine: its messages and template arguments."""
-    try:
-        return json.dumps([sample.messages, sample.chat_template_kwargs], sort_keys=True)
-    except (TypeError, ValueError):  # something json cannot write: encode it every time
-        return None
 
 
 def _eos_token_ids(processor, model) -> list[int]:
