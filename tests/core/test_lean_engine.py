@@ -179,28 +179,3 @@ def test_trainer_trains_with_hf_lean(tmp_path, paths):
     assert isinstance(trainer.engine, LeanGenerationEngine) and trainer.engine.fused
     trainer.train()
 
-
-def test_text_prompts_are_encoded_once(lm, vlm, monkeypatch):  # noqa: F811
-    """The engines remember a text prompt's tokens: the same ids as encoding it again, without the work."""
-    import grouprl.rollout.hf_engine as hf_engine
-    from test_engine import samples as vlm_samples
-
-    for (model, processor), batch in ((lm, text_samples()), (vlm, vlm_samples())):
-        engine = HFGenerationEngine(model, processor)
-        want = encode_prompts(processor, batch)
-        calls = []
-        real = hf_engine.encode_prompts
-        monkeypatch.setattr(hf_engine, "encode_prompts", lambda p, s, **kw: calls.append(len(s)) or real(p, s, **kw))
-        for _ in range(2):
-            ids, mask, inputs = engine._encode(list(reversed(batch)), None)
-            assert torch.equal(ids, encode_prompts(processor, list(reversed(batch)))[0])
-            ids, mask, inputs = engine._encode(batch, None)
-            assert torch.equal(ids, want[0]) and torch.equal(mask, want[1])
-            assert [sorted(x) for x in inputs] == [sorted(x) for x in want[2]]
-            for got, expected in zip(inputs, want[2]):
-                for key in expected:
-                    assert torch.equal(got[key], expected[key])
-        with_images = sum(1 for s in batch if s.images)
-        # every prompt once, then only those with images (encoded each time)
-        assert sum(calls) == len(batch) + 3 * with_images
-        monkeypatch.undo()
