@@ -36,7 +36,10 @@ Settings matched (grouprl key = TRL ``GRPOConfig`` field):
   neither computes separate old-policy log-probs (ratio is exactly 1)
 - max completion length: ``data.max_response_length`` = ``max_completion_length``
 - sampling: temperature 1.0, top-p 1.0, no top-k (``top_k=-1`` = ``top_k=0``),
-  stop on ``<|im_end|>`` / ``<|endoftext|>`` (both read the model's EOS list)
+  stop on ``<|im_end|>`` / ``<|endoftext|>`` (both read the model's EOS list);
+  TRL samples with transformers ``generate``, grouprl by default with its
+  ``hf_lean`` engine (the same distribution from its own decoding loop;
+  ``--engine hf`` samples with ``generate`` too)
 - no KL, no reference model: ``algorithm.kl_coef=0`` = ``beta=0.0``
 - advantages: ``algorithm.adv_estimator=grpo`` with
   ``norm_adv_by_std_in_grpo=true`` = ``scale_rewards="group"``: (r - group mean)
@@ -265,7 +268,10 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=64, help="tiny model width")
     p.add_argument("--layers", type=int, default=2, help="tiny model depth")
     p.add_argument("--frameworks", default="grouprl,trl", help="comma-separated subset of grouprl,trl")
-    p.add_argument("--engine", default="hf", help="grouprl's rollout engine (worker.rollout.engine): hf or hf_static")
+    p.add_argument("--engine", default="hf_lean",
+                   help="grouprl's rollout engine (worker.rollout.engine): hf_lean (default: its own decoding loop, "
+                        "the fastest for a model this small on a CPU), hf (transformers generate, as TRL samples) "
+                        "or hf_static")
     p.add_argument("--async-mode", default="sync", choices=["sync", "async_reward", "one_step_off"],
                    help="grouprl's trainer.async_mode (one_step_off generates the next batch during the update)")
     p.add_argument("--out", default="bench_vs_trl.json", help="where to write the JSON result")

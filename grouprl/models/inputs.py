@@ -8,7 +8,12 @@ can be re-collated into a micro-batch.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import os
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -97,12 +102,27 @@ def _count_image_slots(sample: Sample) -> int:
 
 
 def encode_sample(processor, sample: Sample) -> dict[str, torch.Tensor]:
-    """Processor output for one sample (batch dimension 1), images included."""
+    """Processor output for one sample (batch dimension 1), images included.
+
+    The same prompt comes back every epoch (SFT, GRPO's prompts, evaluation), and rendering
+    the template, tokenizing and above all preprocessing images cost more than a small
+    model's step, so the output is remembered (``ENCODING_CACHE``) by the prompt's content:
+    its messages, template arguments and image pixels. Treat the returned tensors as read-only.
+    """
     if sample.images and not is_multimodal_processor(processor):
         raise ValueError(
             f"sample {sample.id} has {len(sample.images)} image(s) but {type(processor).__name__} "
             "is a text-only tokenizer; use a vision-language model or drop the images"
         )
+    key = ENCODING_CACHE.key(processor, sample)
+    encoded = ENCODING_CACHE.get(processor, key)
+    if encoded is None:
+        encoded = _encode_sample(processor, sample)
+        ENCODING_CACHE.put(processor, key, encoded)
+    return dict(encoded)
+
+
+def _encode_sample(processor, sample: Sample) -> dict[str, torch.Tensor]:
     text = render_prompt(processor, sample)
     # The template already wrote every special token the model expects; a second
     # BOS from the tokenizer would shift the prompt away from what the model saw in training.
@@ -111,6 +131,84 @@ def encode_sample(processor, sample: Sample) -> dict[str, torch.Tensor]:
     if is_multimodal_processor(processor):
         return dict(processor(text=[text], return_tensors="pt", add_special_tokens=False))
     return dict(tokenizer_of(processor)([text], return_tensors="pt", add_special_tokens=False))
+
+
+class EncodingCache:
+    """Processor outputs of recent prompts, per processor, least recently used dropped past ``max_bytes``.
+
+    A prompt's key is what its encoding depends on besides the processor: the messages,
+    the chat-template arguments, the templates themselves, and each image's mode, size and
+    pixels (a digest), with the image processor's resizing settings. A prompt whose messages
+    JSON cannot write is encoded every time. ``GROUPRL_ENCODING_CACHE_MB`` sets the budget
+    (default 1024; 0 turns the cache off).
+    """
+
+    _IMAGE_SETTINGS = ("size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
+                       "do_resize", "do_rescale", "do_normalize", "image_mean", "image_std", "resample")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._by_processor: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
+        self._bytes: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.hits = self.misses = 0
+
+    def key(self, processor, sample: Sample) -> str | None:
+        if self.max_bytes <= 0:
+            return None
+        try:
+            parts = [sample.messages, sample.chat_template_kwargs]
+            text = json.dumps(parts, sort_keys=True)
+        except (TypeError, ValueError):
+            return None
+        templates = (getattr(processor, "chat_template", None), getattr(tokenizer_of(processor), "chat_template", None))
+        digest = hashlib.blake2b(text.encode(), digest_size=16)
+        digest.update(repr(templates).encode())
+        if sample.images:
+            image_processor = getattr(processor, "image_processor", None)
+            digest.update(repr([getattr(image_processor, name, None) for name in self._IMAGE_SETTINGS]).encode())
+            for image in sample.images:
+                digest.update(f"{image.mode}{image.size}".encode())
+                digest.update(image.tobytes())
+        return digest.hexdigest()
+
+    def get(self, processor, key: str | None) -> dict[str, torch.Tensor] | None:
+        if key is None:
+            return None
+        try:
+            entries = self._by_processor.get(processor)
+        except TypeError:  # a processor that cannot be weakly referenced or hashed: no cache
+            return None
+        found = entries.get(key) if entries is not None else None
+        if found is None:
+            self.misses += 1
+            return None
+        entries.move_to_end(key)
+        self.hits += 1
+        return found
+
+    def put(self, processor, key: str | None, encoded: dict[str, torch.Tensor]) -> None:
+        if key is None:
+            return
+        size = sum(v.numel() * v.element_size() for v in encoded.values() if isinstance(v, torch.Tensor))
+        if size > self.max_bytes:
+            return
+        try:
+            entries = self._by_processor.setdefault(processor, OrderedDict())
+        except TypeError:
+            return
+        used = self._bytes.get(processor, 0)
+        while entries and used + size > self.max_bytes:
+            _, dropped = entries.popitem(last=False)
+            used -= sum(v.numel() * v.element_size() for v in dropped.values() if isinstance(v, torch.Tensor))
+        entries[key] = encoded
+        self._bytes[processor] = used + size
+
+    def clear(self) -> None:
+        self._by_processor.clear()
+        self._bytes.clear()
+
+
+ENCODING_CACHE = EncodingCache(int(float(os.environ.get("GROUPRL_ENCODING_CACHE_MB", "1024")) * 2**20))
 
 
 def encode_prompts(

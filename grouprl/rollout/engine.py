@@ -12,6 +12,9 @@ log-probs. Engines are chosen by ``worker.rollout.engine``:
 - ``hf``: transformers ``generate``;
 - ``hf_static``: ``generate`` with a static KV cache and a compiled decoder, compiled
   once per shape bucket;
+- ``hf_lean``: a plain decoding loop of its own (prefill, KV cache, ``generate``'s
+  sampling), several times faster than ``generate`` for small text models on a CPU;
+  vision-language models are refused;
 - ``vllm``: vLLM in the training process (``pip install 'grouprl[vllm]'``).
 
 Register another with ``register_engine(name, "package.module:Class")`` (or the class).
@@ -147,6 +150,7 @@ def _check_engine(name: str, engine) -> None:
 ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", error=ValueError, check=_check_engine)
 ROLLOUT_ENGINES.register("hf", "grouprl.rollout.hf_engine:HFGenerationEngine")
 ROLLOUT_ENGINES.register("hf_static", "grouprl.rollout.static_engine:StaticCacheEngine")
+ROLLOUT_ENGINES.register("hf_lean", "grouprl.rollout.lean_engine:LeanGenerationEngine")
 ROLLOUT_ENGINES.register("vllm", "grouprl.rollout.vllm_engine:VLLMEngine")
 
 

@@ -38,9 +38,9 @@ class CountingBackend:
 
 
 def test_engines_are_chosen_by_name():
-    assert {"hf", "hf_static", "vllm"} <= set(engine_names())
+    assert {"hf", "hf_static", "hf_lean", "vllm"} <= set(engine_names())
     assert engine_class("hf") is HFGenerationEngine and engine_class("hf_static") is StaticCacheEngine
-    with pytest.raises(ValueError, match="unknown rollout engine 'hff'.*hf, hf_static"):
+    with pytest.raises(ValueError, match="unknown rollout engine 'hff'.*hf, hf_lean, hf_static"):
         engine_class("hff")
     with pytest.raises(ConfigError, match="worker.rollout.engine"):
         config_from_dict({"worker": {"rollout": {"engine": "hff"}}})
@@ -64,7 +64,7 @@ def test_engines_are_chosen_by_name():
 
 
 def test_every_engine_has_the_interface():
-    for name in ("hf", "hf_static"):
+    for name in ("hf", "hf_static", "hf_lean"):
         cls = engine_class(name)
         assert issubclass(cls, RolloutEngine) and not cls.owns_weights
 

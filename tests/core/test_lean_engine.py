@@ -1,0 +1,181 @@
+"""hf_lean: grouprl's own decoding loop, checked against transformers ``generate`` and the trainer's scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from grouprl.config import config_from_dict
+from grouprl.models.inputs import encode_prompts
+from grouprl.models.loading import load_model_and_processor
+from grouprl.rollout.engine import EncodedPrompt, SamplingParams, engine_class
+from grouprl.rollout.hf_engine import HFGenerationEngine
+from grouprl.rollout.lean_engine import (LeanGenerationEngine, _FusedDecoder, fused_decoder_supported,
+                                         process_scores, sample_categorical)
+from grouprl.rollout.logprobs import compute_log_probs
+
+from test_engine import lm, text_samples, vlm, with_eos_bias  # noqa: F401  (fixtures and helpers)
+
+
+def test_hf_lean_is_registered_and_takes_plain_qwen2_the_fused_way(lm):  # noqa: F811
+    model, tokenizer = lm
+    assert engine_class("hf_lean") is LeanGenerationEngine
+    assert fused_decoder_supported(model) and LeanGenerationEngine(model, tokenizer).fused
+    assert not LeanGenerationEngine(model, tokenizer, fused=False).fused
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("eos_bias", [False, True])
+def test_greedy_decodes_what_generate_decodes(paths, fused, eos_bias):
+    """Greedy: the same tokens, masks, texts and log-probs as transformers generate (hf)."""
+    model, tokenizer, _ = load_model_and_processor(paths["lm"])
+    model.eval()
+    if eos_bias:  # rows end at different steps: the pad after EOS and the early stop are exercised
+        with_eos_bias(model, tokenizer.convert_tokens_to_ids("<|im_end|>"), probability=0.3)
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=10, return_log_probs=True)
+    want = HFGenerationEngine(model, tokenizer).generate(text_samples(), params)
+    got = LeanGenerationEngine(model, tokenizer, fused=fused).generate(text_samples(), params)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+    assert torch.equal(got.truncated, want.truncated) and got.responses == want.responses
+    torch.testing.assert_close(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sampled_log_probs_are_the_trainers(lm, fused):  # noqa: F811
+    """Sampling (temperature, top-k, top-p): EOS handled, seeded, and the sampler's log-probs are
+    the trainer's (compute_log_probs) to 1e-5."""
+    model, tokenizer = lm
+    engine = LeanGenerationEngine(model, tokenizer, fused=fused)
+    params = SamplingParams(n=8, temperature=1.2, top_p=0.97, top_k=200, max_new_tokens=8, seed=7,
+                            return_log_probs=True)
+    got = engine.generate(text_samples(), params)
+    assert torch.equal(got.response_ids, engine.generate(text_samples(), params).response_ids)
+    other = engine.generate(text_samples(), SamplingParams(**{**params.__dict__, "seed": 8}))
+    assert not torch.equal(got.response_ids, other.response_ids)
+    assert got.response_ids.shape[1] <= 8
+    assert got.truncated.any() and not got.truncated.all()  # some rows ended with EOS, some ran out
+    with torch.no_grad():
+        scored, _ = compute_log_probs(model, got, micro_batch_size=16, temperature=1.2)
+    torch.testing.assert_close(scored, got.rollout_log_probs, atol=1e-5, rtol=0)
+
+    # a continuation from token ids samples what the messages' prompt samples
+    ids, mask, _ = encode_prompts(tokenizer, text_samples())
+    prompts = [EncodedPrompt(row[m.bool()]) for row, m in zip(ids, mask)]
+    assert torch.equal(engine.generate(text_samples(), params, prompts=prompts).response_ids, got.response_ids)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 1.0), (1.2, 200, 0.97), (0.7, 20, 0.9)])
+def test_seeded_samples_are_generates(lm, fused, temperature, top_k, top_p):  # noqa: F811
+    """With the same seed, hf_lean samples the very responses transformers generate (hf) samples:
+    the same processed distribution, drawn from the same random numbers."""
+    model, tokenizer = lm
+    params = SamplingParams(n=8, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8, seed=11,
+                            return_log_probs=True)
+    want = HFGenerationEngine(model, tokenizer).generate(text_samples(), params)
+    got = LeanGenerationEngine(model, tokenizer, fused=fused).generate(text_samples(), params)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+    assert torch.equal(got.truncated, want.truncated) and got.responses == want.responses
+    torch.testing.assert_close(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 1.0), (0.7, 5, 1.0), (1.3, None, 0.8),
+                                                     (0.5, 50, 0.6)])
+def test_processing_and_draws_are_transformers(temperature, top_k, top_p):
+    """The filtered scores are exactly transformers' processors' (suppress, temperature, top-k, top-p),
+    and a draw is torch.multinomial's from the same random numbers."""
+    torch.manual_seed(0)
+    scores = torch.randn(64, 40) * 2
+    suppressed = [3, 17]
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(suppressed)])
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    want = processors(torch.zeros(64, 1, dtype=torch.long), scores.clone())
+    got = process_scores(scores.clone(), config, suppressed)
+    assert torch.equal(got, want)
+
+    probs = torch.softmax(got, dim=-1)
+    torch.manual_seed(5)
+    drawn = torch.multinomial(probs, 1).squeeze(1)
+    torch.manual_seed(5)
+    assert torch.equal(sample_categorical(probs.clone()), drawn)
+    assert (probs.gather(1, drawn[:, None]) > 0).all()
+
+
+def test_fused_forward_is_the_models_forward(lm):  # noqa: F811
+    """Prefill over left-padded prompts, then decode steps: the written-out forward's logits are the model's."""
+    model, tokenizer = lm
+    torch.manual_seed(1)
+    ids = torch.randint(5, 100, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    decoder = _FusedDecoder(model, 3, 9)
+    prompt, positions = 6, (mask.cumsum(-1) - 1).clamp(min=0)
+    got = [decoder(ids[:, :prompt], mask[:, :prompt], positions[:, :prompt])]
+    for t in range(prompt, 9):
+        got.append(decoder(ids[:, t : t + 1], mask[:, : t + 1], positions[:, t : t + 1]))
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    for step, logits in enumerate(got):
+        t = prompt - 1 + step
+        real = mask[:, t].bool()  # a padding position's output is never read
+        torch.testing.assert_close(logits[real], full[real, t], atol=1e-5, rtol=1e-5)
+
+
+def test_vision_language_models_are_refused_with_the_engine_to_use(vlm):  # noqa: F811
+    model, processor = vlm
+    with pytest.raises(ValueError, match="vision-language.*worker.rollout.engine to 'hf'"):
+        LeanGenerationEngine(model, processor)
+
+
+def test_fused_needs_a_plain_qwen2_or_llama(lm):  # noqa: F811
+    model, tokenizer = lm
+
+    class Wrapped(torch.nn.Module):  # e.g. a LoRA or quantised projection
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    attn = model.model.layers[0].self_attn
+    plain = attn.q_proj
+    attn.q_proj = Wrapped(plain)
+    try:
+        assert not fused_decoder_supported(model)
+        assert not LeanGenerationEngine(model, tokenizer).fused  # the model's own forward instead
+        with pytest.raises(ValueError, match="fused=True needs a plain Qwen2 or Llama"):
+            LeanGenerationEngine(model, tokenizer, fused=True)
+    finally:
+        attn.q_proj = plain
+
+
+def test_trainer_trains_with_hf_lean(tmp_path, paths):
+    import json
+
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    records = [{"problem": f"Heart size {i}?", "answer": "normal"} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = {
+        "data": {"train_files": [str(tmp_path / "train.jsonl")], "max_response_length": 5, "rollout_batch_size": 4},
+        "worker": {"actor": {"model": {"model_path": str(paths["lm"])}, "global_batch_size": 4},
+                   "rollout": {"n": 2, "engine": "hf_lean"},
+                   "reward": {"functions": [{"name": "length", "kwargs": {"target": 3}}]}},
+        "trainer": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "logger": ["jsonl"], "device": "cpu"},
+    }
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    assert isinstance(trainer.engine, LeanGenerationEngine) and trainer.engine.fused
+    trainer.train()
+
