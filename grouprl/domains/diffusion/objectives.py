@@ -101,6 +101,19 @@ def clipped_policy_loss(
     return terms.loss, terms.ratio, terms.clipped_low | terms.clipped_high
 
 
+def ratio_outside_clip(ratio: Tensor, clip_range: float) -> Tensor:
+    """The peers' clip fraction's rows (flow_grpo, MM-GRPO, verl-omni ``clipfrac``): |r - 1| > eps, [B] bool.
+
+    It counts a row whatever the sign of A, so it is at least the share of rows whose gradient the clip
+    zeroes (``clipped_policy_loss``'s ``clipped``: A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps);
+    on one run the two read e.g. 0.54-0.99 and 0.31-0.52. The flow trainer logs this as
+    ``actor/clipfrac`` and the other as ``actor/clipped_grad_frac``.
+    """
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0; got {clip_range}")
+    return (ratio.float() - 1).abs() > clip_range
+
+
 def guard_log_ratio(
     log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: float | Tensor
 ) -> Tensor:
