@@ -59,26 +59,32 @@ def first_update_grads(trainer) -> tuple[list, list]:
     return grads, rows
 
 
-def test_zero_advantage_rows_are_not_run_and_the_update_is_unchanged(flow_config, tmp_path, read_jsonl):
+@pytest.mark.parametrize(("algorithm", "steps"), [("flow_grpo_fast", 2), ("grpo_guard", 3)])
+def test_zero_advantage_rows_are_not_run_and_the_update_is_unchanged(flow_config, tmp_path, read_jsonl, algorithm,
+                                                                      steps):
     reward = reward_file(tmp_path, HALF_FLAT, "half_flat")
     runs = {}
     for skip in (True, False):
-        trainer = FlowGRPOTrainer(flow_config(tmp_path / str(skip), **no_kl(tmp_path, reward)))
+        trainer = FlowGRPOTrainer(flow_config(tmp_path / str(skip), **no_kl(tmp_path, reward, **{
+            "algorithm.name": algorithm, "algorithm.timestep_fraction": 0.75})))
         trainer.skip_zero_advantage = skip
         runs[skip] = (trainer, *first_update_grads(trainer))
         trainer.train()
     (_, grads_skip, rows_skip), (_, grads_all, rows_all) = runs[True], runs[False]
-    # 2 steps x 8 images x 2 window steps, 2 mini-batches each; half the images have A = 0 (a flat group)
-    assert sum(rows_all) == 2 * 16
-    assert sum(rows_skip) < sum(rows_all) and sum(rows_skip) <= 2 * 8 + 2 * 4  # at most one row per idle micro-batch
+    # 2 training steps of 8 images x `steps` trained steps, 2 mini-batches each; half the images have A = 0
+    rows = 8 * steps
+    assert sum(rows_all) == 2 * rows
+    micro_batches = 2 * 2 * -(-rows // 2 // 3)  # steps x mini-batches x micro-batches of 3 rows
+    assert sum(rows_skip) <= 2 * rows // 2 + micro_batches  # the trained rows, at most one more per micro-batch
+    assert sum(rows_skip) < sum(rows_all)
     assert len(grads_skip) == len(grads_all) == 4
     for a, b in zip(grads_skip, grads_all):  # every optimizer step: the same gradient (normaliser unchanged)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-8)
     for skip in (True, False):
         metrics = [m for m in read_jsonl(tmp_path / str(skip) / "metrics.jsonl") if "reward/mean" in m]
-        assert [m["actor/zero_advantage_rows"] for m in metrics] == [8.0, 8.0]
-        assert [m["actor/skipped_rows"] for m in metrics] == ([8.0, 8.0] if skip else [0.0, 0.0])
+        assert [m["actor/zero_advantage_rows"] for m in metrics] == [rows / 2] * 2
+        assert [m["actor/skipped_rows"] for m in metrics] == ([rows / 2] * 2 if skip else [0.0, 0.0])
     same = [m["actor/pg_loss"] for m in read_jsonl(tmp_path / "True" / "metrics.jsonl") if "reward/mean" in m]
     other = [m["actor/pg_loss"] for m in read_jsonl(tmp_path / "False" / "metrics.jsonl") if "reward/mean" in m]
     # a sum of +-A r terms of order 1 that nearly cancel: equal to float32 rounding of the rows' log-probs

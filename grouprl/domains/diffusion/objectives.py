@@ -83,7 +83,7 @@ def clipped_policy_loss(
     one log-probability per sample and step instead of per token. ``ratio`` is detached (for
     metrics). ``clipped`` marks samples where a bound is active and the gradient vanishes
     (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps); the public code's clipfrac counts
-    |r - 1| > eps whatever the sign of A, which is larger.
+    |r - 1| > eps whatever the sign of A, which is larger (``ratio_outside_clip``).
     For GRPO-Guard pass the normalised log-ratio as ``log_prob`` and zeros as ``old_log_prob``.
     """
     _check_per_sample(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
