@@ -9,8 +9,8 @@ names where it is new (``noise_level``, ``timestep_fraction``, ``clip_range``,
 
 Algorithms (``algorithm.name``):
 
-- ``flow_grpo``: every step of the rollout is an SDE step; the first
-  ``timestep_fraction`` of them are trained (Flow-GRPO).
+- ``flow_grpo``: every step of the rollout but the last (``deterministic_last_step``) is an
+  SDE step; the first ``timestep_fraction`` of them are trained (Flow-GRPO).
 - ``flow_grpo_fast``: ODE steps except a random window of ``sde_window_size`` SDE
   steps per rollout batch; only the window is stored and trained (Flow-GRPO-Fast).
 - ``grpo_guard``: Flow-GRPO with GRPO-Guard's ratio normalisation (RatioNorm with the
@@ -25,9 +25,9 @@ Numbers that read differently from the peers' (flow_grpo, MM-GRPO, verl-omni) on
   log-density, mean_CHW[-(x' - mu)^2 / (2 std^2)] - log std - log(2 pi) / 2 with
   std = sigma_next sin(a pi / 2); the peers' CPS code uses -mean_CHW (x' - mu)^2. The
   constants cancel in a ratio, the factor does not: log r (grouprl) = log r (peer) / (2 std^2),
-  so a peer's CPS clip range eps_peer corresponds here to eps_peer / (2 std^2) at each step
-  (std^2 < 1/2 at every step, so the grouprl range is wider: at a = 0.8 and sigma_next = 0.5
-  about 2.2 eps_peer, at sigma_next = 0.1 about 55 eps_peer). No single number converts a
+  so a peer's CPS clip range eps_peer corresponds here to eps_peer / (2 std^2) at each step,
+  wider wherever std < 0.71 (all but the first steps): at a = 0.8 (sin = 0.95) about
+  2.2 eps_peer at sigma_next = 0.5 and 55 eps_peer at sigma_next = 0.1. No single number converts a
   recipe's range; tune it on the logged ``actor/ratio/std`` and ``actor/clipfrac``. The SDE
   kind (``sde``) uses the full Gaussian density in both, so its ranges carry over.
 - Advantages use the sample std (divisor m - 1, as grouprl's ``grpo`` estimator); flow_grpo's

@@ -25,7 +25,8 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
    clipped ratio loss (GRPO-Guard: on the normalised ratio, reweighted by 1/|dt|) and
    beta times the KL of the means. Without a KL term the rows of images whose advantage
    is 0 are not run through the model (their loss and gradient are 0; the normaliser
-   still counts them, so the update is the one that trains them);
+   still counts them, so the update is the one that trains them), counted as
+   ``actor/zero_advantage_rows`` and ``actor/skipped_rows``;
 7. with ``worker.actor.ema``, the moving average of the trained weights, which
    validation samples with and checkpoints hold beside the weights.
 
@@ -329,8 +330,8 @@ class FlowGRPOTrainer(TrainingLoop):
         self.scheduler.step()
         # 7. the moving average of the weights just updated
         if self.ema is not None:
-            self.ema.update(step)
-            metrics.mean("actor/ema_decay", self.ema.last_decay)
+            updated = self.ema.update(step)
+            metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
         metrics.max("timing/update_s", time.perf_counter() - u0)
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
@@ -443,11 +444,11 @@ class FlowGRPOTrainer(TrainingLoop):
         (ratio 1) and its mean the old mean. Its row still counts in the normaliser (run_update divides
         by the rows of the mini-batch, ``FlowBatch.loss_mask``), so the loss and gradient are those of
         training it: a mean over every (image, trained step) row, zero-advantage ones included, as
-        Flow-GRPO's mean over samples without its masking. (flow_grpo drops those samples, KL included,
-        and its mean is over the rest: the same gradient direction, larger by rows / kept rows.) A
-        micro-batch with no such row runs its first row, whose loss is 0, so that every micro-batch
-        has a graph (and under DDP every process a backward). ``counted`` marks the rows the
-        ratio metrics count: the trained rows.
+        Flow-GRPO's mean over samples without its masking. (flow_grpo drops those samples, KL term
+        included, and averages over the rest: without a KL term the same gradient direction, larger
+        by rows / kept rows.) A micro-batch whose rows all have A = 0 runs its first row, whose loss
+        is 0, so that every micro-batch has a graph (and under DDP every process a backward).
+        ``counted`` marks the rows the ratio metrics count: the rows with A != 0.
         """
         counted = torch.ones(len(part), dtype=torch.bool)
         if not self._skips_zero_advantage():
