@@ -18,6 +18,7 @@ FLOW_COMMON = {  # MM-GRPO's run_sd3.sh / run_sd3_fast.sh
     "data.rollout_batch_size": 64, "worker.rollout.height": 512, "worker.rollout.num_steps": 10,
     "worker.actor.optim.weight_decay": 1e-4, "trainer.total_epochs": 15, "trainer.val_freq": 5,
     "trainer.save_freq": 100, "data.val_max_samples": 256, "worker.actor.num_minibatches": 2,
+    "worker.actor.ema.enabled": True, "worker.actor.ema.decay": 0.9,  # flow_grpo's SD3 configs
 }
 EXPECTED = {
     "flow_grpo_sd35m_ocr.yaml": {

@@ -10,8 +10,6 @@ from grouprl.config import ConfigError  # noqa: E402
 from grouprl.domains.diffusion.trainer import FlowGRPOTrainer  # noqa: E402
 from grouprl.rewards import RewardError  # noqa: E402
 
-from test_flow_trainer import flow_config, prompts  # noqa: E402,F401 (fixtures)
-
 STUCK = '''
 import threading
 

@@ -13,44 +13,7 @@ import yaml
 pytest.importorskip("diffusers")
 
 from grouprl.cli import main  # noqa: E402
-from grouprl.domains.diffusion.config import flow_config_from_dict  # noqa: E402
 from grouprl.domains.diffusion.trainer import FlowGRPOTrainer  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prompts")
-    words = ["a red square on the left", "a blue square on the right", "two green squares on the left",
-             "a red square on the right"]
-    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "tag": i}) + "\n" for i, p in enumerate(words)))
-    (root / "val.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in words[:2]))
-    return root
-
-
-@pytest.fixture
-def flow_config(tiny_flow, prompts, set_dotted):
-    """``flow_config(out, **overrides)``: a Flow-GRPO-Fast run of the tiny flow model on the prompts."""
-
-    def config(out, **extra):
-        values = {
-            "kind": "flow",
-            "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
-                     "rollout_batch_size": 2, "seed": 3},
-            "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2},
-            "worker": {
-                "actor": {"model": {"model_path": str(tiny_flow), "lora": {"rank": 4, "alpha": 8}},
-                          "optim": {"lr": 1e-2}, "micro_batch_size": 3, "num_minibatches": 2},
-                "rollout": {"n": 4, "num_steps": 4, "height": 8, "width": 8, "guidance_scale": 2.0,
-                            "micro_batch_size": 3, "sde_window_size": 2, "sde_window_range": [0, 4],
-                            "val_num_steps": 6},
-                "reward": {"functions": [{"name": "image_brightness"}]},
-            },
-            "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1,
-                        "device": "cpu", "seed": 5, "val_freq": 2},
-        }
-        return flow_config_from_dict(set_dotted(values, extra))
-
-    return config
 
 
 def lora_state(trainer) -> dict[str, torch.Tensor]:

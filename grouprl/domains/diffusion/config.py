@@ -9,12 +9,31 @@ names where it is new (``noise_level``, ``timestep_fraction``, ``clip_range``,
 
 Algorithms (``algorithm.name``):
 
-- ``flow_grpo``: every step of the rollout is an SDE step; the first
-  ``timestep_fraction`` of them are trained (Flow-GRPO).
+- ``flow_grpo``: every step of the rollout but the last (``deterministic_last_step``) is an
+  SDE step; the first ``timestep_fraction`` of them are trained (Flow-GRPO).
 - ``flow_grpo_fast``: ODE steps except a random window of ``sde_window_size`` SDE
   steps per rollout batch; only the window is stored and trained (Flow-GRPO-Fast).
 - ``grpo_guard``: Flow-GRPO with GRPO-Guard's ratio normalisation (RatioNorm with the
   rollout's stored means) and the 1/|dt| gradient reweighting.
+
+Numbers that read differently from the peers' (flow_grpo, MM-GRPO, verl-omni) on the same run:
+
+- ``actor/clipfrac`` is the peers' clip fraction, the share of rows with |r - 1| > clip_range
+  whatever the sign of the advantage; ``actor/clipped_grad_frac`` is the share whose gradient
+  the clip zeroes (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps), at most the former.
+- CPS (``worker.rollout.kind: cps``): grouprl's log-probability is the step's true Gaussian
+  log-density, mean_CHW[-(x' - mu)^2 / (2 std^2)] - log std - log(2 pi) / 2 with
+  std = sigma_next sin(a pi / 2); the peers' CPS code uses -mean_CHW (x' - mu)^2. The
+  constants cancel in a ratio, the factor does not: log r (grouprl) = log r (peer) / (2 std^2),
+  so a peer's CPS clip range eps_peer corresponds here to eps_peer / (2 std^2) at each step,
+  wider wherever std < 0.71 (all but the first steps): at a = 0.8 (sin = 0.95) about
+  2.2 eps_peer at sigma_next = 0.5 and 55 eps_peer at sigma_next = 0.1. No single number converts a
+  recipe's range; tune it on the logged ``actor/ratio/std`` and ``actor/clipfrac``. The SDE
+  kind (``sde``) uses the full Gaussian density in both, so its ranges carry over.
+- Advantages use the sample std (divisor m - 1, as grouprl's ``grpo`` estimator); flow_grpo's
+  numpy code uses the population std (divisor m), m = the rewards the std is over (the whole
+  batch with ``global_std``, a group otherwise). A(grouprl) = A(flow_grpo) sqrt((m - 1) / m):
+  3% smaller for a group of 16 without ``global_std``, negligible over a batch.
 """
 
 from __future__ import annotations
@@ -53,13 +72,15 @@ class FlowDataConfig:
 @dataclass
 class FlowAlgorithmConfig:
     name: str = field(default="flow_grpo", metadata=choices(*FLOW_ALGORITHMS))
-    # A = (R - mean of the group) / (std + 1e-4): std over the whole batch (Flow-GRPO's default) or per group
+    # A = (R - mean of the group) / (std + 1e-4): std over the whole batch (Flow-GRPO's default) or per group;
+    # the sample std (m - 1): flow_grpo's population std gives advantages larger by sqrt(m / (m - 1))
     global_std: bool = True
     adv_clip_max: float = 5.0
     kl_coef: float = 0.04  # beta of the KL to the reference (the policy with LoRA off); 0 = no reference pass
     # PPO clip range of the per-step ratio. log p averages over every latent element, so
     # ratios stay very near 1 and the range must be tiny: Flow-GRPO 1e-4, Fast 1e-5, Guard
-    # 2e-6 at SD3.5-M's 65k elements; a small model needs a larger one.
+    # 2e-6 at SD3.5-M's 65k elements; a small model needs a larger one. With kind cps a peer's
+    # range is not this one: log r here = the peer's log r / (2 std^2) (the module docstring).
     clip_range: float = 1e-4
     timestep_fraction: float = 0.99  # flow_grpo / grpo_guard: train the first 99% of the steps (0..8 of 10)
 
@@ -72,6 +93,27 @@ class FlowModelConfig:
 
 
 @dataclass
+class FlowEMAConfig:
+    """An exponential moving average of the trained weights (the LoRA adapters), as flow_grpo keeps in its
+    SD3 recipes: validation samples with it, and each checkpoint holds it beside the raw weights
+    (``model/ema.safetensors``), from which a resumed run continues it exactly.
+
+    After training step s (counted from 1): before or at ``start_step`` the average follows the weights
+    (ema = param); after it, every ``update_interval``-th step, ema = d ema + (1 - d) param with
+    d = ``decay``, or with ``warmup`` d = min(decay, (1 + n) / (10 + n)), n = s - start_step
+    (diffusers' EMAModel and flow_grpo cap the decay so in the first steps).
+    flow_grpo's SD3 script: decay 0.9, update_step_interval 8, the warmup cap, counted in optimizer
+    steps; here a training step is one optimizer step with ``num_minibatches: 1`` and ``ppo_epochs: 1``.
+    """
+
+    enabled: bool = False
+    decay: float = 0.9
+    start_step: int = 0  # training steps before the average starts to lag behind the weights
+    update_interval: int = 1  # update every this many training steps after start_step
+    warmup: bool = False  # cap the decay at (1 + n) / (10 + n), n steps after start_step
+
+
+@dataclass
 class FlowActorConfig:
     model: FlowModelConfig = field(default_factory=FlowModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=1e-4))
@@ -79,6 +121,7 @@ class FlowActorConfig:
     num_minibatches: int = 1  # optimizer steps per pass over a training step's rows
     ppo_epochs: int = 1
     max_grad_norm: float = 1.0
+    ema: FlowEMAConfig = field(default_factory=FlowEMAConfig)
 
 
 @dataclass
@@ -92,6 +135,12 @@ class FlowRolloutConfig:
     width: int = 512
     sde_window_size: int = 2  # flow_grpo_fast
     sde_window_range: list[int] = field(default_factory=lambda: [0, 10])  # flow_grpo_fast: where the window may start/end
+    # The last denoising step (into sigma = 0) an ODE step, never sampled with noise nor trained, as
+    # MM-GRPO and the later flow_grpo do (their SDE window ends at num_steps - 1): flow_grpo and
+    # grpo_guard make steps 0 .. N-2 SDE steps (and train the first timestep_fraction of those), the
+    # Fast window lies inside [r0, min(r1, N - 1)). false: every step may be an SDE step and trained
+    # (grouprl before; the original Flow-GRPO sampled the last step with noise but did not train it).
+    deterministic_last_step: bool = True
     micro_batch_size: int = 8  # images per sampler call
     val_num_steps: int = 40  # validation: ODE (no noise) with more steps
     val_guidance_scale: float | None = None  # None: guidance_scale
@@ -129,6 +178,20 @@ def require_diffusers() -> None:
     from grouprl.errors import require
 
     require("diffusers", extra="diffusion", needed_by="the flow trainer (and `grouprl demo --flow`)")
+
+
+def sde_range(rollout: FlowRolloutConfig) -> tuple[int, int]:
+    """Flow-GRPO-Fast's window range [r0, r1), its end moved to num_steps - 1 with ``deterministic_last_step``."""
+    start, end = rollout.sde_window_range
+    return start, min(end, rollout.num_steps - 1) if rollout.deterministic_last_step else end
+
+
+def trained_steps(num_steps: int, timestep_fraction: float, deterministic_last_step: bool) -> list[int]:
+    """Flow-GRPO's trained steps: the first int(N f) of the N steps, less the last with ``deterministic_last_step``
+    (an ODE step has no log-probability). Empty when none is left."""
+    count = int(num_steps * timestep_fraction)
+    end = num_steps - 1 if deterministic_last_step else num_steps
+    return list(range(min(count, end)))
 
 
 def is_flow_config(values: dict) -> bool:
@@ -172,14 +235,24 @@ def validate_flow(config: FlowConfig) -> None:
                           "(0 is the ODE, used for validation)")
     if not 0 < algo.timestep_fraction <= 1:
         raise ConfigError(f"config key 'algorithm.timestep_fraction' must be in (0, 1]; got {algo.timestep_fraction}")
+    last = " (worker.rollout.deterministic_last_step keeps the last step out)" if rollout.deterministic_last_step else ""
     if algo.name == "flow_grpo_fast":
         window, bounds = rollout.sde_window_size, rollout.sde_window_range
         if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1] <= rollout.num_steps:
             raise ConfigError(f"config key 'worker.rollout.sde_window_range' must be [start, end] with 0 <= start < "
                               f"end <= worker.rollout.num_steps ({rollout.num_steps}); got {bounds}")
-        if not 1 <= window <= bounds[1] - bounds[0]:
+        length = sde_range(rollout)[1] - bounds[0]
+        if not 1 <= window <= length:
             raise ConfigError(f"config key 'worker.rollout.sde_window_size' must be between 1 and the range's "
-                              f"length ({bounds[1] - bounds[0]}); got {window}")
+                              f"length ({length}{last}); got {window}")
+    elif not trained_steps(rollout.num_steps, algo.timestep_fraction, rollout.deterministic_last_step):
+        raise ConfigError(f"config keys 'algorithm.timestep_fraction' ({algo.timestep_fraction}) and "
+                          f"'worker.rollout.num_steps' ({rollout.num_steps}) leave no SDE step to train{last}")
+    ema = actor.ema
+    if not 0 <= ema.decay < 1:
+        raise ConfigError(f"config key 'worker.actor.ema.decay' must be in [0, 1); got {ema.decay}")
+    _positive("worker.actor.ema.start_step", ema.start_step, allow_zero=True)
+    _positive("worker.actor.ema.update_interval", ema.update_interval)
     if actor.model.lora.rank <= 0:
         raise ConfigError("config key 'worker.actor.model.lora.rank' must be > 0: the flow trainer trains LoRA "
                           "adapters (the reference model is the policy with them off)")

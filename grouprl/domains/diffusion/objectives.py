@@ -83,7 +83,7 @@ def clipped_policy_loss(
     one log-probability per sample and step instead of per token. ``ratio`` is detached (for
     metrics). ``clipped`` marks samples where a bound is active and the gradient vanishes
     (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps); the public code's clipfrac counts
-    |r - 1| > eps whatever the sign of A, which is larger.
+    |r - 1| > eps whatever the sign of A, which is larger (``ratio_outside_clip``).
     For GRPO-Guard pass the normalised log-ratio as ``log_prob`` and zeros as ``old_log_prob``.
     """
     _check_per_sample(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
@@ -99,6 +99,19 @@ def clipped_policy_loss(
         clip_ratio_high=clip_range,
     )
     return terms.loss, terms.ratio, terms.clipped_low | terms.clipped_high
+
+
+def ratio_outside_clip(ratio: Tensor, clip_range: float) -> Tensor:
+    """The peers' clip fraction's rows (flow_grpo, MM-GRPO, verl-omni ``clipfrac``): |r - 1| > eps, [B] bool.
+
+    It counts a row whatever the sign of A, so it is at least the share of rows whose gradient the clip
+    zeroes (``clipped_policy_loss``'s ``clipped``: A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps);
+    on one run the two read e.g. 0.54-0.99 and 0.31-0.52. The flow trainer logs this as
+    ``actor/clipfrac`` and the other as ``actor/clipped_grad_frac``.
+    """
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0; got {clip_range}")
+    return (ratio.float() - 1).abs() > clip_range
 
 
 def guard_log_ratio(

@@ -107,17 +107,20 @@ class Trajectory:
 
 @torch.no_grad()
 def sample(transformer, text: PromptEmbeddings, noise: torch.Tensor, sched: Schedule, *, guidance_scale: float,
-           noise_level: float, kind: str = "sde", sde_steps=(), store=(), generator: torch.Generator | None = None
-           ) -> Trajectory:
+           noise_level: float, kind: str = "sde", sde_steps=(), store=(), generator: torch.Generator | None = None,
+           input_dtype: torch.dtype | None = None) -> Trajectory:
     """Denoise ``noise`` [B, C, H, W] over ``sched``: SDE steps at ``sde_steps`` (else Euler ODE steps).
 
     The steps in ``store`` (a subset of ``sde_steps``) keep their inputs, outputs,
-    log-probabilities and means. Computed in fp32 (the transformer in its own dtype).
+    log-probabilities and means. Computed in fp32; the transformer gets its input in
+    ``input_dtype`` (default: the dtype of its first parameter). A trainer that re-scores
+    the stored steps must call the transformer the same way (input dtype and autocast
+    context), or the first ratio of an update is not 1.
     """
     sde_steps, store = set(sde_steps), sorted(set(store))
     if not set(store) <= sde_steps:
         raise ValueError(f"stored steps {sorted(set(store) - sde_steps)} are not SDE steps; only SDE steps have a log-prob")
-    dtype = next(transformer.parameters()).dtype
+    dtype = input_dtype if input_dtype is not None else next(transformer.parameters()).dtype
     x = noise.to(torch.float32)
     kept: dict[str, list[torch.Tensor]] = {"latents": [], "next_latents": [], "log_probs": [], "means": []}
     for i in range(sched.num_steps):

@@ -4,10 +4,12 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
 
 1. take ``data.rollout_batch_size`` prompts, each repeated ``worker.rollout.n`` times;
 2. sample images with the current weights, a micro-batch at a time
-   (``pipeline.sample``): SDE steps where the algorithm trains (every step but the
-   last few for Flow-GRPO and GRPO-Guard, a random window for Flow-GRPO-Fast), ODE
-   steps elsewhere; the trained steps keep their input, output, log-probability and
-   mean (a ``FlowRollout``);
+   (``pipeline.sample``, under the same precision context as the update's re-scoring,
+   so that the first ratio of an update is 1 in bf16 too): SDE steps where the
+   algorithm trains (every step but the last for Flow-GRPO and GRPO-Guard, of which
+   the first ``timestep_fraction`` are trained; a random window for Flow-GRPO-Fast),
+   ODE steps elsewhere (``worker.rollout.deterministic_last_step``); the trained steps
+   keep their input, output, log-probability and mean (a ``FlowRollout``);
 3. score the images with the image rewards; with ``trainer.async_mode: async_reward``
    micro-batch k is scored while k+1 samples; with ``one_step_off`` steps 1-3 of step
    k+1 run in the run loop's prefetcher thread, on a copy of the weights from before
@@ -21,7 +23,12 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
    over rows that are (image, trained step) pairs: the step's log-probability under
    the current weights (``scheduler.sde_step`` scoring the stored next sample), the
    clipped ratio loss (GRPO-Guard: on the normalised ratio, reweighted by 1/|dt|) and
-   beta times the KL of the means.
+   beta times the KL of the means. Without a KL term the rows of images whose advantage
+   is 0 are not run through the model (their loss and gradient are 0; the normaliser
+   still counts them, so the update is the one that trains them), counted as
+   ``actor/zero_advantage_rows`` and ``actor/skipped_rows``;
+7. with ``worker.actor.ema``, the moving average of the trained weights, which
+   validation samples with and checkpoints hold beside the weights.
 
 The run around the steps (checkpoints, resume, metric reduction and the metrics'
 schema, logs, validation cadence, the one-step-off prefetcher) is the language
@@ -32,6 +39,7 @@ trainer's: ``trainer.loop.TrainingLoop``; reward metrics are written by
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +51,14 @@ import torch
 
 from grouprl.config import ConfigError
 from grouprl.errors import ModelPathError
-from grouprl.domains.diffusion.config import FlowConfig
+from grouprl.domains.diffusion.config import FlowConfig, sde_range, trained_steps
 from grouprl.domains.diffusion.objectives import (
     clipped_policy_loss,
     flow_kl,
     group_advantages,
     guard_log_ratio,
     guard_reweight,
+    ratio_outside_clip,
 )
 from grouprl.domains.diffusion.pipeline import (
     PromptEmbeddings,
@@ -60,7 +69,7 @@ from grouprl.domains.diffusion.pipeline import (
     schedule,
     velocity,
 )
-from grouprl.domains.diffusion.scheduler import sde_step, sde_window, train_timesteps
+from grouprl.domains.diffusion.scheduler import sde_step, sde_window
 from grouprl.files import RecordsError, read_json_records
 from grouprl.rewards import RewardResult
 from grouprl.trainer.loop import StepResult, TrainingLoop
@@ -204,7 +213,12 @@ class FlowGRPOTrainer(TrainingLoop):
         except ModelPathError as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
-        self.processor = None  # checkpoints hold the adapters alone: the pipeline's parts never change
+        from grouprl.domains.diffusion.ema import EMAWeights
+
+        self.ema = EMAWeights.from_config(self.policy, actor.ema) if actor.ema.enabled else None
+        # checkpoints hold the adapters (the pipeline's parts never change) and, saved beside them through
+        # the loop's processor hook while the checkpoint is written, the moving average (model/ema.safetensors)
+        self.processor = self.ema
         self.train_model = accelerator.prepare(self.policy)
         # one_step_off samples while the policy trains: sampling needs weights of its own
         self.sampler = self._frozen_copy(self.policy) if t.async_mode == "one_step_off" else self.policy
@@ -263,7 +277,18 @@ class FlowGRPOTrainer(TrainingLoop):
         return self.rollout(step, metrics, model=self.sampler)
 
     def run_info_extras(self) -> dict:
-        return {"rollout_weights": "copy" if self.sampler is not self.policy else "policy"}
+        return {"rollout_weights": "copy" if self.sampler is not self.policy else "policy",
+                "validation_weights": "ema" if self.ema is not None else "policy"}
+
+    def on_resume(self) -> None:
+        """The moving average from the checkpoint just restored (the one ``trainer.resume`` chose: a path, or
+        under ``auto`` the step directory of the restored step)."""
+        if self.ema is None:
+            return
+        resume = self.config.trainer.resume
+        path = Path(resume) if resume != "auto" else \
+            self.config.checkpoint_dir / f"global_step_{self.state.global_step}"
+        self.ema.load(path)
 
     # ------------------------------------------------------------------ one step
 
@@ -281,6 +306,9 @@ class FlowGRPOTrainer(TrainingLoop):
         # 4. advantages per image, every trained step of an image a row
         advantages = self._advantages(torch.tensor(rollout.rewards.total, dtype=torch.float32))
         batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
+        zero = int((batch.advantages == 0).sum())
+        metrics.sum("actor/zero_advantage_rows", float(zero))
+        metrics.sum("actor/skipped_rows", float(zero if self._skips_zero_advantage() else 0))
         mark("log-probs")
         if stale:
             self._recompute_old(batch, metrics)
@@ -300,6 +328,10 @@ class FlowGRPOTrainer(TrainingLoop):
                                     micro_batch_size=actor.micro_batch_size, max_grad_norm=actor.max_grad_norm),
             metrics=metrics)
         self.scheduler.step()
+        # 7. the moving average of the weights just updated
+        if self.ema is not None:
+            updated = self.ema.update(step)
+            metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
         metrics.max("timing/update_s", time.perf_counter() - u0)
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
@@ -337,9 +369,12 @@ class FlowGRPOTrainer(TrainingLoop):
                 rows = list(range(start, min(start + rollout.micro_batch_size, len(prompts))))
                 s0 = time.perf_counter()
                 mark("sample")
-                traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
-                              guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
-                              kind=rollout.kind, sde_steps=sde_steps, store=store, generator=generator)
+                # the update re-scores these steps under this precision context, with inputs in this dtype
+                with self.precision.autocast(self.device):
+                    traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
+                                  guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
+                                  kind=rollout.kind, sde_steps=sde_steps, store=store, generator=generator,
+                                  input_dtype=self.precision.compute_dtype)
                 sample_s += time.perf_counter() - s0
                 trajectories.append(traj)
                 args = (self.model.decode(traj.final), [prompts[i] for i in rows],
@@ -366,14 +401,16 @@ class FlowGRPOTrainer(TrainingLoop):
     # ------------------------------------------------------------------ rollout parts
 
     def _trained_steps(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
-        """(SDE steps, stored and trained steps) of this step's rollouts."""
+        """(SDE steps, stored and trained steps) of this step's rollouts; the last step is an ODE step with
+        ``worker.rollout.deterministic_last_step``."""
         algo, rollout = self.config.algorithm, self.config.worker.rollout
         if algo.name == "flow_grpo_fast":
-            window = list(sde_window(rollout.num_steps, rollout.sde_window_size, tuple(rollout.sde_window_range),
+            window = list(sde_window(rollout.num_steps, rollout.sde_window_size, sde_range(rollout),
                                      generator=generator))
             return window, window
-        trained = list(train_timesteps(rollout.num_steps, algo.timestep_fraction))
-        return list(range(rollout.num_steps)), trained
+        last = rollout.num_steps - 1 if rollout.deterministic_last_step else rollout.num_steps
+        return list(range(last)), trained_steps(rollout.num_steps, algo.timestep_fraction,
+                                                rollout.deterministic_last_step)
 
     def _noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
         rollout = self.config.worker.rollout
@@ -382,18 +419,60 @@ class FlowGRPOTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------ update
 
-    def _log_prob_fn(self, model, part: FlowBatch):
+    # whether the update leaves zero-advantage rows out of the forward pass when that changes nothing
+    # (no KL term); False runs every row, as the tests compare
+    skip_zero_advantage = True
+
+    def _skips_zero_advantage(self) -> bool:
+        return self.skip_zero_advantage and self.config.algorithm.kl_coef == 0
+
+    def _score(self, model, part: FlowBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-probability [b], mean, std [b]) of every row's stored step under ``model``'s weights."""
         rollout = self.config.worker.rollout
         text = part.text.select(part.image)
         dtype = self.precision.compute_dtype
         v = velocity(model, part.latents.to(dtype), part.timestep.to(self.device), text, rollout.guidance_scale)
         out = sde_step(v.float(), part.latents, part.sigma, part.sigma_next, noise_level=rollout.noise_level,
                        kind=rollout.kind, prev_sample=part.next_latents)
-        return out.log_prob[:, None], (out.mean, out.std)
+        return out.log_prob, out.mean, out.std
+
+    def _log_prob_fn(self, model, part: FlowBatch):
+        """The update's scoring: ``(log_prob [b, 1], (mean, std, counted [b] bool))``.
+
+        Without a KL term a row whose advantage is 0 has loss max(-0 r, -0 clip(r)) = 0 and gradient 0
+        whatever the weights, so it is not run through the model: its log-probability is the old one
+        (ratio 1) and its mean the old mean. Its row still counts in the normaliser (run_update divides
+        by the rows of the mini-batch, ``FlowBatch.loss_mask``), so the loss and gradient are those of
+        training it: a mean over every (image, trained step) row, zero-advantage ones included, as
+        Flow-GRPO's mean over samples without its masking. (flow_grpo drops those samples, KL term
+        included, and averages over the rest: without a KL term the same gradient direction, larger
+        by rows / kept rows.) A micro-batch whose rows all have A = 0 runs its first row, whose loss
+        is 0, so that every micro-batch has a graph (and under DDP every process a backward).
+        ``counted`` marks the rows the ratio metrics count: the rows with A != 0.
+        """
+        counted = torch.ones(len(part), dtype=torch.bool)
+        if not self._skips_zero_advantage():
+            log_prob, mean, std = self._score(model, part)
+            return log_prob[:, None], (mean, std, counted)
+        counted = part.advantages != 0
+        rows = counted.nonzero()[:, 0] if counted.any() else torch.zeros(1, dtype=torch.long)
+        if len(rows) == len(part):
+            log_prob, mean, std = self._score(model, part)
+            return log_prob[:, None], (mean, std, counted)
+        log_prob, mean, _ = self._score(model, part.select(rows))
+        rollout = self.config.worker.rollout
+        # the step's std depends on the schedule alone: any velocity gives it
+        std = sde_step(torch.zeros_like(part.latents, dtype=torch.float32), part.latents, part.sigma,
+                       part.sigma_next, noise_level=rollout.noise_level, kind=rollout.kind,
+                       prev_sample=part.next_latents).std
+        index = (rows.to(log_prob.device),)
+        log_prob = part.old_log_prob.to(log_prob).index_put(index, log_prob)
+        mean = part.old_mean.to(mean).index_put(index, mean)
+        return log_prob[:, None], (mean, std, counted)
 
     def _loss_fn(self, part: FlowBatch, log_prob, aux, norms, metrics: StepMetrics):
         algo = self.config.algorithm
-        mean, std = aux
+        mean, std, counted = aux
         log_prob = log_prob[:, 0]
         if algo.name == "grpo_guard":
             log_ratio = guard_log_ratio(log_prob, part.old_log_prob, mean, part.old_mean, std)
@@ -413,9 +492,15 @@ class FlowGRPOTrainer(TrainingLoop):
             kl_loss = kl.sum() / norms.num_seqs
             loss = loss + algo.kl_coef * kl_loss
             reported["kl_loss"] = kl_loss.detach()
-        metrics.moments("actor/ratio", ratio.detach().tolist())
-        metrics.mean("actor/clipfrac", float(clipped.float().mean()), float(len(clipped)))
-        metrics.mean("actor/log_ratio_abs", float((log_prob.detach() - part.old_log_prob).abs().mean()), float(len(clipped)))
+        # the ratio metrics count the rows trained (not those skipped with a zero advantage)
+        counted = counted.to(ratio.device)
+        ratio, clipped, n = ratio.detach()[counted], clipped[counted], float(counted.sum())
+        log_ratio_abs = (log_prob.detach() - part.old_log_prob.to(log_prob.device))[counted].abs()
+        metrics.moments("actor/ratio", ratio.tolist())
+        # the peers' clipfrac (|r - 1| > eps) and the rows whose gradient the clip zeroes (objectives)
+        metrics.mean("actor/clipfrac", float(ratio_outside_clip(ratio, algo.clip_range).float().mean()) if n else 0.0, n)
+        metrics.mean("actor/clipped_grad_frac", float(clipped.float().mean()) if n else 0.0, n)
+        metrics.mean("actor/log_ratio_abs", float(log_ratio_abs.mean()) if n else 0.0, n)
         return loss, reported
 
     @torch.no_grad()
@@ -426,7 +511,7 @@ class FlowGRPOTrainer(TrainingLoop):
             for rows in torch.arange(len(batch)).split(self.config.worker.actor.micro_batch_size):
                 part = batch.select(rows)
                 with self.precision.autocast(self.device):
-                    _, (mean, _) = self._log_prob_fn(self.policy, part)
+                    _, mean, _ = self._score(self.policy, part)
                 out.append(mean.float())
         return torch.cat(out)
 
@@ -456,8 +541,8 @@ class FlowGRPOTrainer(TrainingLoop):
         log_probs, means = [], []
         for rows in torch.arange(len(batch)).split(self.config.worker.actor.micro_batch_size):
             with self.precision.autocast(self.device):
-                log_prob, (mean, _) = self._log_prob_fn(self.policy, batch.select(rows))
-            log_probs.append(log_prob[:, 0].float())
+                log_prob, mean, _ = self._score(self.policy, batch.select(rows))
+            log_probs.append(log_prob.float())
             means.append(mean.float())
         current = torch.cat(log_probs)
         metrics.mean("async/behaviour_log_ratio_abs", float((current - batch.old_log_prob).abs().mean()),
@@ -469,7 +554,8 @@ class FlowGRPOTrainer(TrainingLoop):
 
     @torch.no_grad()
     def validate(self, step: int) -> StepResult | None:
-        """ODE samples of the validation prompts (fixed noise), their rewards and an image grid.
+        """ODE samples of the validation prompts (fixed noise), their rewards and an image grid; with
+        ``worker.actor.ema`` sampled with the moving average of the weights (the weights are put back after).
 
         A process may get no validation prompt (fewer prompts than processes): it still
         reports every key, with no weight. None without validation prompts.
@@ -487,20 +573,23 @@ class FlowGRPOTrainer(TrainingLoop):
         generator = torch.Generator().manual_seed(rollout.val_seed)
         images, prompts, metadata = [], [], {}
         mark("sample")
-        for start in range(0, len(records), config.data.val_batch_size):
-            chunk = records[start:start + config.data.val_batch_size]
-            chunk_prompts = [r[config.data.prompt_key] for r in chunk]
-            text = encode(self.model, chunk_prompts, scale)
-            text = PromptEmbeddings(*(None if x is None else x.to(self.device) for x in
-                                      (text.embeds, text.pooled, text.negative_embeds, text.negative_pooled)))
-            traj = sample(self.policy, text, self._noise(len(chunk), generator), sched, guidance_scale=scale,
-                          noise_level=0.0)
-            images.extend(self.model.decode(traj.final))
-            prompts.extend(chunk_prompts)
-            for k in {k for r in chunk for k in r if k != config.data.prompt_key}:
-                metadata.setdefault(k, [])
-            for k in metadata:
-                metadata[k].extend(r.get(k) for r in chunk)
+        # flow_grpo validates (and saves) the moving average: the raw weights come back after the block
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            for start in range(0, len(records), config.data.val_batch_size):
+                chunk = records[start:start + config.data.val_batch_size]
+                chunk_prompts = [r[config.data.prompt_key] for r in chunk]
+                text = encode(self.model, chunk_prompts, scale)
+                text = PromptEmbeddings(*(None if x is None else x.to(self.device) for x in
+                                          (text.embeds, text.pooled, text.negative_embeds, text.negative_pooled)))
+                with self.precision.autocast(self.device):  # as the training rollouts
+                    traj = sample(self.policy, text, self._noise(len(chunk), generator), sched, guidance_scale=scale,
+                                  noise_level=0.0, input_dtype=self.precision.compute_dtype)
+                images.extend(self.model.decode(traj.final))
+                prompts.extend(chunk_prompts)
+                for k in {k for r in chunk for k in r if k != config.data.prompt_key}:
+                    metadata.setdefault(k, [])
+                for k in metadata:
+                    metadata[k].extend(r.get(k) for r in chunk)
         mark("reward")
         result = self.val_rewards.score(images, prompts, metadata)
         record_rewards(metrics, result, self.val_rewards.keys)
