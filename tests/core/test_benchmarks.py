@@ -56,13 +56,18 @@ def check_gpu_run(run_result: dict, steps: int) -> None:
 def test_bench_gpu_cpu_smoke(tmp_path):
     out = tmp_path / "gpu.json"
     proc = run("bench_gpu.py", "--device", "cpu", "--shape", "tiny", "--engines", "hf", "hf_static", "--steps", "2",
+               "--batching", "padded", "packed_dynamic",
                "--override", "worker.rollout.static_cache.backend=eager", "--out", str(out), cwd=tmp_path)
     assert "tokens/s" in proc.stdout and "grouprl hf_static" in proc.stdout
     report = json.loads(out.read_text())
     assert report["settings"]["device"] == "cpu" and report["settings"]["steps"] == 2
     assert report["machine"]["torch"] and report["aims"] == {"tokens_per_s": 1800.0, "vs_trl": 2.0}
     entry = report["shapes"]["tiny"]
-    assert set(entry["runs"]) == {"grouprl hf", "grouprl hf_static"}
+    assert set(entry["runs"]) == {"grouprl hf", "grouprl hf_static", "grouprl hf packed_dynamic",
+                                  "grouprl hf_static packed_dynamic"}
+    for label, result in entry["runs"].items():  # packed rows compute no padding
+        pad = result["summary"]["pad_fraction"]
+        assert pad == 0.0 if label.endswith("packed_dynamic") else 0.0 <= pad < 1.0, (label, pad)
     assert entry["settings"]["n"] == 2 and entry["settings"]["prompts_per_step"] == 2
     assert entry["settings"]["kl_coef"] == 0.01  # the EditGRPO recipe's settings reached the runs
     for label, result in entry["runs"].items():
