@@ -43,7 +43,7 @@ QUICK = dict(train=512, val=32, sft_epochs=8, sft_batch=8, grpo_steps=12, n=4, p
 QUICK_NOTE = (f"--quick is the demo made small ({QUICK['train']} studies, {QUICK['grpo_steps']} GRPO steps, {QUICK['val']} "
               "held-out studies), so its numbers are "
               "noisy. The full run (grouprl demo, about 4 minutes on 2 CPU cores) takes the held-out reward from "
-              "about 1.56 after SFT to 1.86 after GRPO.")
+              "about 1.5 after SFT to about 1.8 after GRPO.")
 REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
 # build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
 DEMO_MODEL = dict(vocab_size=1024)
