@@ -97,16 +97,3 @@ def test_guided_and_compare_are_separate_demos(tmp_path, capsys):
     assert main(["demo", "--guided", "--compare", "--quick", "--out", str(tmp_path / "x")]) == 2
     assert "--guided and --compare" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-
-
-def test_the_demo_runs_on_one_torch_thread_unless_told(monkeypatch):
-    """A tiny model gains nothing from a second intra-op thread and loses much on a busy machine;
-    the caller's thread count comes back afterwards, and OMP_NUM_THREADS is obeyed."""
-    before = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    with demo.demo_threads():
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    with demo.demo_threads():
-        assert torch.get_num_threads() == before

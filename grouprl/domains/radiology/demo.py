@@ -21,9 +21,7 @@ Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -146,30 +144,6 @@ VARIANTS = {
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
     """The demo; with ``compare`` it trains GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
-    with demo_threads():
-        return _run_demo(out, quick=quick, seed=seed, compare=compare)
-
-
-@contextlib.contextmanager
-def demo_threads():
-    """One torch intra-op thread for the demo's tiny model, unless ``OMP_NUM_THREADS`` says otherwise.
-
-    Its matrices are too small for a second thread to help, and on a 2-core machine with
-    anything else running, OpenMP threads mostly wait on each other: the quick demo took
-    154 s of wall time with torch's default 2 threads and 49 s with 1, for the same table.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run_demo(out: str | Path, *, quick: bool, seed: int, compare: bool) -> dict:
     from rich.console import Console
     from rich.table import Table
 
