@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -152,6 +153,10 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[to
     return input_ids[real].unsqueeze(0), positions[real].unsqueeze(0), flat_index
 
 
+# model -> whether its modules build their masks with transformers' masking utilities
+_BUILDS_PACKED_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_padding_free(model) -> None:
     """Refuse, naming the model and its attention, when a packed row would attend across sequences.
 
@@ -173,17 +178,19 @@ def check_padding_free(model) -> None:
     if attention not in supported:
         raise ValueError(f"worker.actor.padding_free needs one of the attention implementations {supported}; "
                          f"{type(base).__name__} uses {attention!r} (set padding_free: false)")
-    builds_masks = hasattr(masking_utils, "find_packed_sequence_indices") and any(
-        getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None) is masking_utils.create_causal_mask
-        for m in base.modules() if type(m).__module__.startswith("transformers.models."))
-    if not builds_masks:
+    if base not in _BUILDS_PACKED_MASKS:  # a scan of every module: once per model, not per micro-batch
+        _BUILDS_PACKED_MASKS[base] = hasattr(masking_utils, "find_packed_sequence_indices") and any(
+            getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None) is masking_utils.create_causal_mask
+            for m in base.modules() if type(m).__module__.startswith("transformers.models."))
+    if not _BUILDS_PACKED_MASKS[base]:
         raise ValueError(f"worker.actor.padding_free: {type(base).__name__} does not build its attention masks with "
                          "transformers' masking utilities, which separate packed sequences (needs transformers >= 4.56 "
                          "and a model that uses them); set padding_free: false")
 
 
-def _mrope_positions(model, input_ids, attention_mask, extra) -> torch.Tensor | None:
-    """Qwen-VL's 3-D M-RoPE positions ``[3, B, L]`` of a padded batch with images, as the model builds them."""
+def _mrope_positions(model, input_ids, attention_mask, extra, token_types) -> torch.Tensor | None:
+    """Qwen-VL's 3-D M-RoPE positions ``[3, B, L]`` of a padded batch with images, as the model builds them
+    (``token_types``: the ``mm_token_type_ids`` of ``forward_kwargs``, or None)."""
     base = unwrap_model(model)
     if hasattr(base, "get_base_model"):
         base = base.get_base_model()
@@ -194,7 +201,7 @@ def _mrope_positions(model, input_ids, attention_mask, extra) -> torch.Tensor | 
     kwargs = {k: extra[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in extra}
     parameters = inspect.signature(rope_index).parameters
     if "mm_token_type_ids" in parameters:
-        kwargs["mm_token_type_ids"] = forward_kwargs(model, input_ids, attention_mask, extra)["mm_token_type_ids"]
+        kwargs["mm_token_type_ids"] = token_types
     positions, _ = rope_index(input_ids, attention_mask=attention_mask, **kwargs)
     return positions
 
@@ -206,15 +213,16 @@ def _packed_kwargs(model, input_ids, attention_mask, extra) -> tuple[dict, torch
     kwargs = {"input_ids": packed_ids, "attention_mask": None}
     kwargs.update({k: v.to(input_ids.device) for k, v in extra.items()})
     has_vision = any(k in extra for k in ("image_grid_thw", "video_grid_thw"))
-    mrope = _mrope_positions(model, input_ids, attention_mask, extra) if has_vision else None
+    token_types = forward_kwargs(model, input_ids, attention_mask, extra).get("mm_token_type_ids") \
+        if has_vision else None
+    mrope = _mrope_positions(model, input_ids, attention_mask, extra, token_types) if has_vision else None
     if mrope is not None:
         # [4, 1, N]: the text positions first (transformers builds the packed mask from them),
         # then the temporal, height and width positions of each token, restarting per sequence
         mrope = mrope.to(input_ids.device)[:, real].unsqueeze(1)
         kwargs["position_ids"] = torch.cat([positions.unsqueeze(0), mrope], dim=0)
-        padded = forward_kwargs(model, input_ids, attention_mask, extra)
-        if "mm_token_type_ids" in padded:
-            kwargs["mm_token_type_ids"] = padded["mm_token_type_ids"][real].unsqueeze(0)
+        if token_types is not None:
+            kwargs["mm_token_type_ids"] = token_types[real].unsqueeze(0)
     elif has_vision:
         raise ValueError(f"worker.actor.padding_free: {type(unwrap_model(model)).__name__} has images but no "
                          "M-RoPE position builder (get_rope_index) to pack them with; set padding_free: false")
