@@ -48,11 +48,18 @@ def plan(run: Path, after_step: int, signals: list[int], **extra) -> dict[str, s
                                        "signals": signals, **extra})}
 
 
+def default_sigint() -> None:
+    """In the child before it starts: SIGINT back to its default. A command started in the background
+    by a shell (``cmd &``) inherits SIGINT ignored, and Python then leaves it ignored, as the
+    convention for background jobs wants; these tests are about what grouprl does when it arrives."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def grouprl(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "SIGNAL_PLAN"}
     environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "grouprl", *args], cwd=cwd, env=environ, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, preexec_fn=default_sigint)
 
 
 def torchrun(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -62,7 +69,7 @@ def torchrun(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "grouprl", *args]
     with subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+                          text=True, preexec_fn=default_sigint) as proc:
         try:
             out, err = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:
