@@ -15,6 +15,11 @@ Algorithms (``algorithm.name``):
   steps per rollout batch; only the window is stored and trained (Flow-GRPO-Fast).
 - ``grpo_guard``: Flow-GRPO with GRPO-Guard's ratio normalisation (RatioNorm with the
   rollout's stored means) and the 1/|dt| gradient reweighting.
+- ``diffusion_nft``: DiffusionNFT (NVlabs): no likelihoods; the clean samples of any sampler
+  (the ODE with ``noise_level: 0``) are noised again at ``int(num_steps * timestep_fraction)``
+  of the schedule's times each and the velocity is trained between the implicit positive and
+  negative policies around a second, "old" adapter that samples (``algorithm.nft``;
+  ``domains.diffusion.nft``). ``clip_range`` is unused.
 
 Numbers that read differently from the peers' (flow_grpo, MM-GRPO, verl-omni) on the same run:
 
@@ -52,7 +57,7 @@ from grouprl.config import (
     read_config_values,
 )
 
-FLOW_ALGORITHMS = ("flow_grpo", "flow_grpo_fast", "grpo_guard")
+FLOW_ALGORITHMS = ("flow_grpo", "flow_grpo_fast", "grpo_guard", "diffusion_nft")
 
 
 @dataclass
@@ -70,6 +75,26 @@ class FlowDataConfig:
 
 
 @dataclass
+class FlowNFTConfig:
+    """DiffusionNFT's settings (``algorithm.name: diffusion_nft``), named and defaulted as NVlabs' config/nft.py.
+
+    The loss ``r ||v+ - v||^2 + (1 - r) ||v- - v||^2`` with ``v+ = (1 - beta) v_old + beta v_theta`` and
+    ``v- = (1 + beta) v_old - beta v_theta`` (``nft.nft_loss``), r = clip(A, +-adv_clip_max) / (2
+    adv_clip_max) + 1/2. After every training step the old adapter becomes ``d old + (1 - d) theta`` with
+    ``d = min(max(optimizer steps - decay_flat, 0) decay_rate, decay_ceiling)`` (``nft.old_policy_decay``):
+    NVlabs' decay_type 1 is flat 0, rate 0.001, ceiling 0.5 (the default here); their OCR recipe's
+    decay_type 2 is flat 75, rate 0.0075, ceiling 0.999, with beta 0.1. ``algorithm.kl_coef`` weighs their
+    KL, mean((v_theta - v_ref)^2) to the velocity with the adapters off (their train.beta, 1e-4).
+    """
+
+    beta: float = 1.0  # the step of the implicit policies (NVlabs' config.beta: 1.0; 0.1 for OCR)
+    adaptive_weighting: bool = True  # each term divided by its own detached mean |x0 error| (their released code)
+    decay_flat: int = 0
+    decay_rate: float = 0.001
+    decay_ceiling: float = 0.5
+
+
+@dataclass
 class FlowAlgorithmConfig:
     name: str = field(default="flow_grpo", metadata=choices(*FLOW_ALGORITHMS))
     # A = (R - mean of the group) / (std + 1e-4): std over the whole batch (Flow-GRPO's default) or per group;
@@ -83,6 +108,8 @@ class FlowAlgorithmConfig:
     # range is not this one: log r here = the peer's log r / (2 std^2) (the module docstring).
     clip_range: float = 1e-4
     timestep_fraction: float = 0.99  # flow_grpo / grpo_guard: train the first 99% of the steps (0..8 of 10)
+    #                                  diffusion_nft: int(N f) of the N schedule times per image, drawn at random
+    nft: FlowNFTConfig = field(default_factory=FlowNFTConfig)
 
 
 @dataclass
@@ -194,6 +221,26 @@ def trained_steps(num_steps: int, timestep_fraction: float, deterministic_last_s
     return list(range(min(count, end)))
 
 
+def nft_timesteps(num_steps: int, timestep_fraction: float) -> int:
+    """DiffusionNFT's training times per image: int(N f) of the N schedule times (NVlabs' num_train_timesteps)."""
+    return int(num_steps * timestep_fraction)
+
+
+def validate_nft(config: FlowConfig) -> None:
+    nft, rollout = config.algorithm.nft, config.worker.rollout
+    _positive("algorithm.nft.beta", nft.beta)
+    _positive("algorithm.nft.decay_flat", nft.decay_flat, allow_zero=True)
+    _positive("algorithm.nft.decay_rate", nft.decay_rate, allow_zero=True)
+    if not 0 <= nft.decay_ceiling <= 1:
+        raise ConfigError(f"config key 'algorithm.nft.decay_ceiling' must be in [0, 1]; got {nft.decay_ceiling}")
+    if not nft_timesteps(rollout.num_steps, config.algorithm.timestep_fraction):
+        raise ConfigError(f"config keys 'algorithm.timestep_fraction' ({config.algorithm.timestep_fraction}) and "
+                          f"'worker.rollout.num_steps' ({rollout.num_steps}) leave no time to train at")
+    if config.trainer.async_mode == "one_step_off":
+        raise ConfigError("config key 'trainer.async_mode' is one_step_off, which diffusion_nft does not support: its "
+                          "old adapter samples, and is updated after each step; use sync or async_reward")
+
+
 def is_flow_config(values: dict) -> bool:
     """Whether a config file's values are a flow trainer's (``kind: flow`` at the top level)."""
     return isinstance(values, dict) and values.get("kind") == "flow"
@@ -230,13 +277,15 @@ def validate_flow(config: FlowConfig) -> None:
     _positive("worker.rollout.noise_level", rollout.noise_level, allow_zero=True)
     if rollout.n < 2:
         raise ConfigError(f"config key 'worker.rollout.n' must be >= 2 for group-relative advantages; got {rollout.n}")
-    if rollout.noise_level == 0:
-        raise ConfigError("config key 'worker.rollout.noise_level' is 0: training needs SDE steps to score "
-                          "(0 is the ODE, used for validation)")
+    if rollout.noise_level == 0 and algo.name != "diffusion_nft":
+        raise ConfigError(f"config key 'worker.rollout.noise_level' is 0: {algo.name} needs SDE steps to score "
+                          "(0 is the ODE, used for validation; diffusion_nft trains on ODE samples)")
     if not 0 < algo.timestep_fraction <= 1:
         raise ConfigError(f"config key 'algorithm.timestep_fraction' must be in (0, 1]; got {algo.timestep_fraction}")
     last = " (worker.rollout.deterministic_last_step keeps the last step out)" if rollout.deterministic_last_step else ""
-    if algo.name == "flow_grpo_fast":
+    if algo.name == "diffusion_nft":
+        validate_nft(config)
+    elif algo.name == "flow_grpo_fast":
         window, bounds = rollout.sde_window_size, rollout.sde_window_range
         if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1] <= rollout.num_steps:
             raise ConfigError(f"config key 'worker.rollout.sde_window_range' must be [start, end] with 0 <= start < "

@@ -51,7 +51,14 @@ import torch
 
 from grouprl.config import ConfigError
 from grouprl.errors import ModelPathError
-from grouprl.domains.diffusion.config import FlowConfig, sde_range, trained_steps
+from grouprl.domains.diffusion.config import FlowConfig, nft_timesteps, sde_range, trained_steps
+from grouprl.domains.diffusion.nft import (
+    forward_noised,
+    nft_loss,
+    old_policy_decay,
+    optimality_probability,
+    update_old_policy,
+)
 from grouprl.domains.diffusion.objectives import (
     clipped_policy_loss,
     flow_kl,
@@ -180,7 +187,51 @@ def rows_of(trajectories: list[Trajectory], sched: Schedule, advantages: torch.T
                      timestep=sched.timesteps[step], advantages=advantages[image], text=text)
 
 
+@dataclass
+class NFTBatch:
+    """DiffusionNFT's rows: (image, training time) pairs, each with the image's clean sample ``x0``,
+    fresh noise, and the old adapter's (and, with a KL term, the reference's) velocity at ``x_t``."""
+
+    image: torch.Tensor  # [R] index into text of images
+    x0: torch.Tensor  # [R, C, H, W], the sampler's clean sample
+    noise: torch.Tensor  # [R, C, H, W], eps of x_t = (1 - t) x0 + t eps
+    t: torch.Tensor  # [R], sigma of the time (the noising time)
+    timestep: torch.Tensor  # [R], the transformer's timestep
+    advantages: torch.Tensor  # [R]
+    text: PromptEmbeddings  # per image
+    v_old: torch.Tensor | None = None  # [R, C, H, W], the old adapter's velocity (no gradient)
+    v_ref: torch.Tensor | None = None  # [R, C, H, W], the adapters-off velocity (KL)
+
+    def __len__(self) -> int:
+        return len(self.image)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return torch.ones(len(self), 1)
+
+    def select(self, rows) -> "NFTBatch":
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        pick = {name: getattr(self, name)[rows] for name in ("image", "x0", "noise", "t", "timestep", "advantages")}
+        return NFTBatch(**pick, text=self.text, v_old=None if self.v_old is None else self.v_old[rows],
+                        v_ref=None if self.v_ref is None else self.v_ref[rows])
+
+
+def nft_rows(finals: list[torch.Tensor], sched: Schedule, advantages: torch.Tensor, text: PromptEmbeddings,
+             times: int, generator: torch.Generator) -> NFTBatch:
+    """Each image's ``times`` training times, drawn without replacement from the rollout schedule's
+    (a random permutation per image, as NVlabs' trainer), each row with its own fresh noise."""
+    x0 = torch.cat(finals)
+    order = torch.stack([torch.randperm(sched.num_steps, generator=generator)[:times] for _ in range(len(x0))])
+    image = torch.arange(len(x0)).repeat_interleave(times)
+    step = order.reshape(-1)
+    noise = torch.randn((len(image), *x0.shape[1:]), generator=generator).to(x0)
+    return NFTBatch(image=image, x0=x0[image], noise=noise, t=sched.sigmas[step], timestep=sched.timesteps[step],
+                    advantages=advantages[image], text=text)
+
+
 # ---------------------------------------------------------------------------- the trainer
+
+OLD_ADAPTER = "old"  # DiffusionNFT's sampling adapter (NVlabs' name); PEFT saves it in model/old/
 
 
 class FlowGRPOTrainer(TrainingLoop):
@@ -213,6 +264,9 @@ class FlowGRPOTrainer(TrainingLoop):
         except ModelPathError as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
+        self.nft = config.algorithm.name == "diffusion_nft"
+        if self.nft:
+            self._add_old_adapter()
         from grouprl.domains.diffusion.ema import EMAWeights
 
         self.ema = EMAWeights.from_config(self.policy, actor.ema) if actor.ema.enabled else None
@@ -254,6 +308,35 @@ class FlowGRPOTrainer(TrainingLoop):
                 p.data = p.data.to(self.precision.param_dtype)
         return model
 
+    def _add_old_adapter(self) -> None:
+        """DiffusionNFT's old policy: a second LoRA adapter (``OLD_ADAPTER``) beside the trained one, a
+        copy of it to start; it samples, and follows the trained one after each step (``nft.update_old_policy``)."""
+        self.policy.add_adapter(OLD_ADAPTER, self.policy.peft_config["default"])
+        self.policy.set_adapter("default")  # the trained adapter active and the only one with gradients
+        with torch.no_grad():
+            for old, trained in self._old_pairs():
+                old.data = old.data.to(self.precision.param_dtype)
+                old.copy_(trained)
+
+    def _old_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(old adapter tensor, trained adapter tensor) pairs, matched by name."""
+        params = dict(self.policy.named_parameters())
+        pairs = [(params[name.replace(".default.", f".{OLD_ADAPTER}.")], p) for name, p in params.items()
+                 if "lora_" in name and ".default." in name]
+        if not pairs:
+            raise RuntimeError("diffusion_nft: the policy has no LoRA adapter tensors to pair with the old adapter")
+        return pairs
+
+    @contextlib.contextmanager
+    def _old_adapter(self):
+        """The old adapter active inside the block (PEFT's set_adapter also moves requires_grad to it:
+        the trained adapter is made active, and the only one with gradients, again after the block)."""
+        self.policy.set_adapter(OLD_ADAPTER)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter("default")
+
     @staticmethod
     def _frozen_copy(policy):
         import copy
@@ -277,18 +360,37 @@ class FlowGRPOTrainer(TrainingLoop):
         return self.rollout(step, metrics, model=self.sampler)
 
     def run_info_extras(self) -> dict:
-        return {"rollout_weights": "copy" if self.sampler is not self.policy else "policy",
+        return {"rollout_weights": "old_adapter" if self.nft else "copy" if self.sampler is not self.policy
+                else "policy",
                 "validation_weights": "ema" if self.ema is not None else "policy"}
 
     def on_resume(self) -> None:
-        """The moving average from the checkpoint just restored (the one ``trainer.resume`` chose: a path, or
-        under ``auto`` the step directory of the restored step)."""
-        if self.ema is None:
-            return
+        """The moving average and DiffusionNFT's old adapter from the checkpoint just restored (the one
+        ``trainer.resume`` chose: a path, or under ``auto`` the step directory of the restored step)."""
         resume = self.config.trainer.resume
         path = Path(resume) if resume != "auto" else \
             self.config.checkpoint_dir / f"global_step_{self.state.global_step}"
-        self.ema.load(path)
+        if self.ema is not None:
+            self.ema.load(path)
+        if self.nft:
+            self._load_old_adapter(path)
+
+    def _load_old_adapter(self, path: Path) -> None:
+        """The old adapter PEFT's save_pretrained wrote beside the trained one (``model/old/``)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from grouprl.trainer.checkpoint import CheckpointError
+
+        file = path / "model" / OLD_ADAPTER / "adapter_model.safetensors"
+        if not file.exists():
+            raise CheckpointError(f"checkpoint {path} has no DiffusionNFT old adapter ({file}); it was not saved by a "
+                                  "diffusion_nft run")
+        result = set_peft_model_state_dict(self.policy, load_file(str(file)), adapter_name=OLD_ADAPTER)
+        missing = [k for k in getattr(result, "missing_keys", []) if f".{OLD_ADAPTER}." in k]
+        if missing:
+            raise CheckpointError(f"{file} does not match the model's old adapter: missing {missing[:3]}")
+        self.policy.set_adapter("default")
 
     # ------------------------------------------------------------------ one step
 
@@ -305,15 +407,22 @@ class FlowGRPOTrainer(TrainingLoop):
         self.rollout_taken(step, metrics, stale=stale)
         # 4. advantages per image, every trained step of an image a row
         advantages = self._advantages(torch.tensor(rollout.rewards.total, dtype=torch.float32))
-        batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
-        zero = int((batch.advantages == 0).sum())
-        metrics.sum("actor/zero_advantage_rows", float(zero))
-        metrics.sum("actor/skipped_rows", float(zero if self._skips_zero_advantage() else 0))
+        if self.nft:
+            batch = self._nft_batch(step, rollout, advantages)
+            trained_per_image = nft_timesteps(self.config.worker.rollout.num_steps, algo.timestep_fraction)
+        else:
+            batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
+            trained_per_image = len(rollout.steps)
+            zero = int((batch.advantages == 0).sum())
+            metrics.sum("actor/zero_advantage_rows", float(zero))
+            metrics.sum("actor/skipped_rows", float(zero if self._skips_zero_advantage() else 0))
         mark("log-probs")
         if stale:
             self._recompute_old(batch, metrics)
-        # 5. the reference's means
-        if algo.kl_coef > 0:
+        # 5. the reference's means (DiffusionNFT: the old adapter's and the reference's velocities)
+        if self.nft:
+            self._nft_velocities(batch)
+        elif algo.kl_coef > 0:
             batch.ref_mean = self._reference_means(batch)
         # 6. the update; Flow-GRPO shuffles (image, step) rows so each optimizer step mixes steps and images
         perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(step))
@@ -322,12 +431,17 @@ class FlowGRPOTrainer(TrainingLoop):
         u0 = time.perf_counter()
         mark("update")
         self.state.optimizer_steps += run_update(
-            self.train_model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=self._loss_fn,
+            self.train_model, self.optimizer, batch,
+            log_prob_fn=self._nft_velocity_fn if self.nft else self._log_prob_fn,
+            loss_fn=self._nft_loss_fn if self.nft else self._loss_fn,
             accelerator=self.accelerator, precision=self.precision,
             settings=UpdateSettings(num_minibatches=actor.num_minibatches, epochs=actor.ppo_epochs,
                                     micro_batch_size=actor.micro_batch_size, max_grad_norm=actor.max_grad_norm),
             metrics=metrics)
         self.scheduler.step()
+        if self.nft:  # DiffusionNFT's old adapter follows the trained one
+            decay = self._update_old_adapter()
+            metrics.mean("actor/old_policy_decay", decay)
         # 7. the moving average of the weights just updated
         if self.ema is not None:
             updated = self.ema.update(step)
@@ -336,7 +450,7 @@ class FlowGRPOTrainer(TrainingLoop):
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
         metrics.moments("advantages", advantages.tolist())
-        metrics.mean("rollout/trained_steps", float(len(rollout.steps)))
+        metrics.mean("rollout/trained_steps", float(trained_per_image))
         metrics.mean("rollout/first_trained_step", float(rollout.steps[0]) if rollout.steps else math.nan)
         metrics.max("timing/step_s", time.perf_counter() - t0)
         metrics.sum("perf/images", float(len(rollout.prompts)))
@@ -369,8 +483,10 @@ class FlowGRPOTrainer(TrainingLoop):
                 rows = list(range(start, min(start + rollout.micro_batch_size, len(prompts))))
                 s0 = time.perf_counter()
                 mark("sample")
-                # the update re-scores these steps under this precision context, with inputs in this dtype
-                with self.precision.autocast(self.device):
+                # the update re-scores these steps under this precision context, with inputs in this dtype;
+                # DiffusionNFT samples with its old adapter
+                with self.precision.autocast(self.device), \
+                        self._old_adapter() if self.nft else contextlib.nullcontext():
                     traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
                                   guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
                                   kind=rollout.kind, sde_steps=sde_steps, store=store, generator=generator,
@@ -404,11 +520,13 @@ class FlowGRPOTrainer(TrainingLoop):
         """(SDE steps, stored and trained steps) of this step's rollouts; the last step is an ODE step with
         ``worker.rollout.deterministic_last_step``."""
         algo, rollout = self.config.algorithm, self.config.worker.rollout
+        last = rollout.num_steps - 1 if rollout.deterministic_last_step else rollout.num_steps
+        if self.nft:  # any sampler, no step stored: the ODE, or SDE steps with a noise level
+            return (list(range(last)) if rollout.noise_level > 0 else []), []
         if algo.name == "flow_grpo_fast":
             window = list(sde_window(rollout.num_steps, rollout.sde_window_size, sde_range(rollout),
                                      generator=generator))
             return window, window
-        last = rollout.num_steps - 1 if rollout.deterministic_last_step else rollout.num_steps
         return list(range(last)), trained_steps(rollout.num_steps, algo.timestep_fraction,
                                                 rollout.deterministic_last_step)
 
@@ -549,6 +667,77 @@ class FlowGRPOTrainer(TrainingLoop):
                      float(len(batch)))
         batch.old_log_prob, batch.old_mean = current, torch.cat(means)
 
+    # ------------------------------------------------------------------ DiffusionNFT
+
+    def _nft_batch(self, step: int, rollout: FlowRollout, advantages: torch.Tensor) -> NFTBatch:
+        """The rows of DiffusionNFT's update: each image at its training times with fresh noise (drawn from a
+        generator of the run's seed, step and process: a resumed run draws the same)."""
+        seed = np.random.SeedSequence([self.config.trainer.seed, step, self.accelerator.process_index, 1])
+        generator = torch.Generator().manual_seed(int(seed.generate_state(1)[0]))
+        times = nft_timesteps(self.config.worker.rollout.num_steps, self.config.algorithm.timestep_fraction)
+        return nft_rows([traj.final for traj in rollout.trajectories], self.sched, advantages, rollout.text, times,
+                        generator)
+
+    @torch.no_grad()
+    def _nft_velocities(self, batch: NFTBatch) -> None:
+        """v_old (the old adapter) and, with a KL term, v_ref (adapters off) at every row's x_t: fixed
+        during the update (the old adapter changes after it), so computed once, micro-batch by micro-batch,
+        under the update's precision context."""
+        olds, refs = [], []
+        for rows in torch.arange(len(batch)).split(self.config.worker.actor.micro_batch_size):
+            part = batch.select(rows)
+            with self.precision.autocast(self.device):
+                with self._old_adapter():
+                    olds.append(self._nft_velocity(self.policy, part).float())
+                if self.config.algorithm.kl_coef > 0:
+                    with self.policy.disable_adapter():
+                        refs.append(self._nft_velocity(self.policy, part).float())
+        batch.v_old = torch.cat(olds)
+        batch.v_ref = torch.cat(refs) if refs else None
+
+    def _nft_velocity(self, model, part: NFTBatch) -> torch.Tensor:
+        """``model``'s velocity at ``x_t = (1 - t) x0 + t eps`` without guidance (DiffusionNFT trains CFG-free)."""
+        x_t, _ = forward_noised(part.x0, part.noise, part.t)
+        text = part.text.select(part.image)
+        return velocity(model, x_t.to(self.device, self.precision.compute_dtype), part.timestep.to(self.device),
+                        text, 1.0)
+
+    def _nft_velocity_fn(self, model, part: NFTBatch):
+        """run_update's forward for DiffusionNFT: the trained velocity [b, C, H, W] in place of a log-prob."""
+        return self._nft_velocity(model, part), None
+
+    def _nft_loss_fn(self, part: NFTBatch, v_theta, _aux, norms, metrics: StepMetrics):
+        """The mean over rows of ``nft.nft_loss`` (+ kl_coef mean((v_theta - v_ref)^2), NVlabs' KL)."""
+        algo = self.config.algorithm
+        device = v_theta.device
+        _, target = forward_noised(part.x0.to(device), part.noise.to(device), part.t.to(device))
+        r = optimality_probability(part.advantages.to(device), algo.adv_clip_max)
+        v_old = part.v_old.to(device)
+        per_row = nft_loss(v_theta, v_old, target, r, algo.nft.beta, t=part.t.to(device),
+                           adaptive_weighting=algo.nft.adaptive_weighting, adv_clip_max=algo.adv_clip_max)
+        pg_loss = per_row.sum() / norms.num_seqs
+        loss, reported = pg_loss, {"pg_loss": pg_loss.detach()}
+        dims = tuple(range(1, v_theta.dim()))
+        if algo.kl_coef > 0:
+            kl = (v_theta - part.v_ref.to(device)).pow(2).mean(dims)
+            kl_loss = kl.sum() / norms.num_seqs
+            loss = loss + algo.kl_coef * kl_loss
+            reported["kl_loss"] = kl_loss.detach()
+        n = float(len(part))
+        # how far the trained velocity has moved from the old one (NVlabs' old_deviate)
+        metrics.mean("actor/old_deviation", float((v_theta.detach() - v_old).pow(2).mean()), n)
+        metrics.moments("actor/optimality", r.tolist())
+        return loss, reported
+
+    @torch.no_grad()
+    def _update_old_adapter(self) -> float:
+        """old <- d old + (1 - d) theta after the step, d from the optimizer steps taken (NVlabs' global_step)."""
+        nft = self.config.algorithm.nft
+        decay = old_policy_decay(self.state.optimizer_steps, flat=nft.decay_flat, rate=nft.decay_rate,
+                                 ceiling=nft.decay_ceiling)
+        old, trained = zip(*self._old_pairs())
+        update_old_policy(list(old), list(trained), decay)
+        return decay
 
     # ------------------------------------------------------------------ validation
 
