@@ -64,7 +64,7 @@ def test_the_trainers_loss_is_the_papers_equations(flow_config, tmp_path, kl_coe
             if f".{OLD_ADAPTER}." in name:
                 p.add_(0.05 * torch.randn_like(p))
     rollout = trainer.rollout(1, StepMetrics())
-    advantages = trainer._advantages(torch.tensor(rollout.rewards.total)) * 3  # some beyond the clip
+    advantages = trainer._advantages(torch.tensor(rollout.rewards.total)) * 10  # some beyond the clip
     batch = trainer._nft_batch(1, rollout, advantages)
     trainer._nft_velocities(batch)
     v_theta, _ = trainer._nft_velocity_fn(trainer.policy, batch)
@@ -85,7 +85,7 @@ def test_the_trainers_loss_is_the_papers_equations(flow_config, tmp_path, kl_coe
     positive, negative = (1 - beta) * v_old + beta * v_th, (1 + beta) * v_old - beta * v_th
     direct = (r * ((positive - v) ** 2).mean((1, 2, 3)) + (1 - r) * ((negative - v) ** 2).mean((1, 2, 3))).mean()
     direct = direct + kl_coef * ((v_th - v_ref) ** 2).mean((1, 2, 3)).mean()
-    assert ((r > 0) & (r < 1)).any() and not torch.equal(v_old, v_th)
+    assert ((r > 0) & (r < 1)).any() and ((r == 0) | (r == 1)).any() and not torch.equal(v_old, v_th)
     torch.testing.assert_close(loss, direct, rtol=1e-5, atol=1e-7)
     grad, = torch.autograd.grad(loss, [p for p in trainer.policy.parameters() if p.requires_grad][:1])
     want, = torch.autograd.grad(direct, [p for p in trainer.policy.parameters() if p.requires_grad][:1])
