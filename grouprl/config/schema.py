@@ -481,6 +481,10 @@ class TrainerConfig:
     output_dir: str | None = None  # default: runs/<experiment_name>
     total_epochs: int = 1
     max_steps: int | None = None
+    # Stop after the first step that ends this many seconds after the run's steps started (a job's time
+    # limit, or two methods given the same time): that step is checkpointed and the run ends as if complete.
+    # None = no limit. Each (re)start counts from its own first step.
+    max_wall_seconds: float | None = None
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     val_freq: int = -1  # -1 = never during training
     val_before_train: bool = False

@@ -11,7 +11,8 @@ log the same way. ``TrainingLoop.train`` runs these stages:
     3. validation before training (``trainer.val_before_train``)
     4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
        loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
-       -> a checkpoint every ``trainer.save_freq`` steps
+       -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
+       ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
 On SIGTERM or SIGINT (``trainer.save_on_signal``, see ``trainer.signals``) the step in progress
@@ -155,6 +156,10 @@ class TrainingLoop(abc.ABC):
         self.run_dir = config.run_dir
         self.stream = stream
         self.total_steps = t.max_steps or t.total_epochs * stream.batches_per_epoch
+        if t.max_wall_seconds is not None and not t.max_wall_seconds > 0:
+            from grouprl.config import ConfigError
+
+            raise ConfigError(f"config key 'trainer.max_wall_seconds' must be > 0 seconds; got {t.max_wall_seconds}")
         self.state = ckpt.TrainerState()
         self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
         self.prefetcher = OneStepOffPrefetcher()  # started only under one_step_off
@@ -338,7 +343,8 @@ class TrainingLoop(abc.ABC):
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
                 self._validate(0, writers)
-            # 4. the steps
+            # 4. the steps (until total_steps, or the first step that ends past trainer.max_wall_seconds)
+            started = time.perf_counter()
             while self.state.global_step < self.total_steps:
                 if t.save_on_signal:
                     with stage("signal check"):  # a collective: a process that never comes is named
@@ -361,6 +367,8 @@ class TrainingLoop(abc.ABC):
                     self._validate(step, writers)
                 if t.save_freq > 0 and step % t.save_freq == 0:
                     self.save()
+                if t.max_wall_seconds is not None and self._out_of_time(started, t.max_wall_seconds):
+                    break
             # 5. the end (a signal during the last step changes nothing: the run is complete)
             if self._checkpointed_step != self.state.global_step:
                 self.save()
@@ -368,6 +376,20 @@ class TrainingLoop(abc.ABC):
             self.prefetcher.close()
             writers.close()
         return last
+
+    def _out_of_time(self, started: float, limit: float) -> bool:
+        """Whether any process has run its steps for ``limit`` seconds: every process stops at the same step."""
+        over = time.perf_counter() - started >= limit
+        if self.accelerator.num_processes > 1:
+            import torch
+
+            flag = torch.tensor([1.0 if over else 0.0], device=self.accelerator.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over and self.is_main:
+            print(f"grouprl: trainer.max_wall_seconds ({limit:g} s) reached after step {self.state.global_step}",
+                  flush=True)
+        return over
 
     def _stop(self, signum: int, stop: StopRequest) -> None:
         """Every process: checkpoint the last finished step (unless on disk already), name it, raise."""

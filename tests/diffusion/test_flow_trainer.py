@@ -13,6 +13,7 @@ import yaml
 pytest.importorskip("diffusers")
 
 from grouprl.cli import main  # noqa: E402
+from grouprl.config import ConfigError  # noqa: E402
 from grouprl.domains.diffusion.trainer import FlowGRPOTrainer  # noqa: E402
 
 
@@ -193,3 +194,20 @@ def test_flow_config_errors_name_the_key(flow_config, tmp_path):
         flow_config(tmp_path, **{"worker.rollout.noise": 0.5})
     with pytest.raises(ConfigError, match="worker.actor.model.lora.rank"):
         flow_config(tmp_path, **{"worker.actor.model.lora": {"rank": 0}})
+
+
+def test_max_wall_seconds_stops_after_the_step_that_ran_past_it_with_a_checkpoint(flow_config, tmp_path, read_jsonl,
+                                                                                  capsys):
+    """trainer.max_wall_seconds (the run loop's, shared with the language trainer): a limit every step
+    exceeds ends the run after its first step, checkpointed; a generous one changes nothing."""
+    out = tmp_path / "run"
+    FlowGRPOTrainer(flow_config(out, **{"trainer.max_steps": 3, "trainer.max_wall_seconds": 1e-6,
+                                        "trainer.save_freq": -1, "trainer.val_freq": -1})).train()
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl") if "reward/mean" in m] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["global_step_1"]
+    assert "trainer.max_wall_seconds (1e-06 s) reached after step 1" in capsys.readouterr().out
+    FlowGRPOTrainer(flow_config(tmp_path / "long", **{"trainer.max_steps": 2, "trainer.max_wall_seconds": 3600,
+                                                      "trainer.val_freq": -1})).train()
+    assert [m["step"] for m in read_jsonl(tmp_path / "long" / "metrics.jsonl") if "reward/mean" in m] == [1, 2]
+    with pytest.raises(ConfigError, match="trainer.max_wall_seconds"):
+        FlowGRPOTrainer(flow_config(tmp_path / "bad", **{"trainer.max_wall_seconds": 0}))
