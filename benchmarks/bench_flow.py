@@ -4,15 +4,18 @@ Trains the same tiny pixel-space SD3 transformer on the same prompts with
 Flow-GRPO (every step an SDE step, 9 of 10 trained), Flow-GRPO-Fast (a window of 2
 trained steps), Flow-GRPO-Fast with ``trainer.async_mode: async_reward`` and with
 ``one_step_off`` (the next step's rollout sampled and scored while this step
-trains), each in its own subprocess, with an image reward that waits a fixed time per call plus a
+trains), and DiffusionNFT (ODE rollouts from its old adapter; 9 of the 10 times trained per
+image as NVlabs' default, and 2 as Fast's window), each in its own subprocess, with an image reward that waits a fixed time per call plus a
 time per image (like a VLM judge or an OCR server) on top of its cheap work. Reports
 the median images per second per process over ``--repeats`` runs of each
 configuration (alternating order; each run's first step, which starts up, left out)
-and the ratios: Fast over Flow-GRPO, async reward over sync and one-step-off over sync.
+and the ratios: Fast over Flow-GRPO, async reward over sync, one-step-off over sync and
+DiffusionNFT over Fast.
 
     python benchmarks/bench_flow.py                          # CPU, a few minutes
     python benchmarks/bench_flow.py --size 64 --layers 8     # a larger stand-in
     python benchmarks/bench_flow.py --device cuda            # on a GPU (absolute figures there)
+    python benchmarks/bench_flow.py --only flow_grpo_fast diffusion_nft   # a subset of the runs
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
-RUNS = {  # name -> (algorithm, async mode)
-    "flow_grpo": ("flow_grpo", "sync"),
-    "flow_grpo_fast": ("flow_grpo_fast", "sync"),
-    "flow_grpo_fast+async_reward": ("flow_grpo_fast", "async_reward"),
-    "flow_grpo_fast+one_step_off": ("flow_grpo_fast", "one_step_off"),
+_NFT = {"worker.rollout.noise_level": 0.0}  # DiffusionNFT samples with the ODE
+RUNS = {  # name -> (algorithm, async mode, config overrides)
+    "flow_grpo": ("flow_grpo", "sync", {}),
+    "flow_grpo_fast": ("flow_grpo_fast", "sync", {}),
+    "flow_grpo_fast+async_reward": ("flow_grpo_fast", "async_reward", {}),
+    "flow_grpo_fast+one_step_off": ("flow_grpo_fast", "one_step_off", {}),
+    "diffusion_nft": ("diffusion_nft", "sync", {**_NFT, "algorithm.timestep_fraction": 0.99}),
+    "diffusion_nft(2 times)": ("diffusion_nft", "sync", {**_NFT, "algorithm.timestep_fraction": 0.2}),
 }
 
 REWARD = '''
@@ -53,8 +59,8 @@ def child(root: Path, name: str, args) -> dict:
     from grouprl.domains.diffusion.config import flow_config_from_dict
     from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
 
-    algorithm, mode = RUNS[name]
-    config = flow_config_from_dict({
+    algorithm, mode, overrides = RUNS[name]
+    values = {
         "kind": "flow",
         "data": {"train_files": [str(root / "prompts.jsonl")], "rollout_batch_size": args.prompts},
         "algorithm": {"name": algorithm, "kl_coef": args.kl, "clip_range": 1e-3},
@@ -67,7 +73,14 @@ def child(root: Path, name: str, args) -> dict:
         },
         "trainer": {"max_steps": args.steps, "logger": [], "device": args.device, "save_freq": 10_000,
                     "log_rollouts": False, "output_dir": str(root / f"run_{name}"), "async_mode": mode},
-    })
+    }
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    config = flow_config_from_dict(values)
     trainer = FlowGRPOTrainer(config)
     times = []
     original = trainer.step
@@ -100,6 +113,8 @@ def main() -> None:
     parser.add_argument("--reward-image-latency", type=float, default=0.01, help="seconds per image scored")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, in alternating order")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), metavar="RUN",
+                        help=f"run only these configurations (of {', '.join(RUNS)})")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,7 +134,7 @@ def main() -> None:
         build_tiny_pixel_flow(root / "model", image_size=args.size, num_layers=args.layers)
         env = {**os.environ, "BENCH_REWARD_CALL_LATENCY": str(args.reward_call_latency),
                "BENCH_REWARD_IMAGE_LATENCY": str(args.reward_image_latency)}
-        names = list(RUNS)
+        names = [name for name in RUNS if not args.only or name in args.only]
         for repeat in range(args.repeats):
             # the order alternates, so that no configuration always runs on a warmer (or busier) machine
             for name in names if repeat % 2 == 0 else names[::-1]:
@@ -138,23 +153,25 @@ def main() -> None:
           f"steps, {args.device}; reward latency {args.reward_call_latency} s per call + "
           f"{args.reward_image_latency} s per image\n")
     print(f"{'configuration':<30} {'median s/step':>14} {'images/s/process':>17}")
-    for name in RUNS:
+    for name in names:
         r = results[name]
         steady = sorted(t for run in r["runs"] for t in (run[1:] or run))  # the first step starts up
         r["step_seconds"] = r["runs"][0]
         r["median_step_seconds"] = steady[len(steady) // 2]
         r["images_per_s"] = images / r["median_step_seconds"]
         print(f"{name:<30} {r['median_step_seconds']:>14.3f} {r['images_per_s']:>17.2f}")
-    ratios = {
-        "fast_vs_flow_grpo": results["flow_grpo_fast"]["images_per_s"] / results["flow_grpo"]["images_per_s"],
-        "async_reward_vs_sync": (results["flow_grpo_fast+async_reward"]["images_per_s"]
-                                 / results["flow_grpo_fast"]["images_per_s"]),
-        "one_step_off_vs_sync": (results["flow_grpo_fast+one_step_off"]["images_per_s"]
-                                 / results["flow_grpo_fast"]["images_per_s"]),
+    # name -> (numerator run, denominator run, how it is printed)
+    wanted = {
+        "fast_vs_flow_grpo": ("flow_grpo_fast", "flow_grpo", "Flow-GRPO-Fast / Flow-GRPO"),
+        "async_reward_vs_sync": ("flow_grpo_fast+async_reward", "flow_grpo_fast", "async reward / sync (Fast)"),
+        "one_step_off_vs_sync": ("flow_grpo_fast+one_step_off", "flow_grpo_fast", "one-step-off / sync (Fast)"),
+        "nft_vs_fast": ("diffusion_nft", "flow_grpo_fast", "DiffusionNFT (9 times) / Flow-GRPO-Fast"),
+        "nft_2_times_vs_fast": ("diffusion_nft(2 times)", "flow_grpo_fast", "DiffusionNFT (2 times) / Flow-GRPO-Fast"),
     }
-    print(f"\nFlow-GRPO-Fast / Flow-GRPO: {ratios['fast_vs_flow_grpo']:.2f}x; "
-          f"async reward / sync (Fast): {ratios['async_reward_vs_sync']:.2f}x; "
-          f"one-step-off / sync (Fast): {ratios['one_step_off_vs_sync']:.2f}x")
+    ratios = {key: results[a]["images_per_s"] / results[b]["images_per_s"]
+              for key, (a, b, _) in wanted.items() if a in results and b in results}
+    if ratios:
+        print("\n" + "; ".join(f"{wanted[key][2]}: {value:.2f}x" for key, value in ratios.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results, "ratios": ratios}, indent=2))
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from grouprl.registry import Registry, resolve
@@ -234,6 +234,8 @@ class Demo:
     values reach ``run`` by their argparse names; they may not be given with another demo. An
     option several demos declare (the same flag, e.g. ``--seeds``) is one argument, for any of them.
     ``run`` may raise :class:`UsageError` for a bad use found before anything ran.
+    ``combined`` maps another demo's flag to the run this demo makes when given with it
+    (``--flow --compare``: the flow demo's comparison), with this demo's options.
     """
 
     run: Callable[..., Any] | str
@@ -241,6 +243,7 @@ class Demo:
     flag: str | None = None
     default: bool = False
     options: Sequence[tuple[str, dict]] = ()
+    combined: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
 
 
 def _check_demo(name: str, demo: Any) -> None:
@@ -301,6 +304,12 @@ def _and(flags: list[str]) -> str:
 def cmd_demo(args) -> int:
     demos = dict(DEMOS.items())
     chosen: list[str] = args.demos
+    run = None
+    if len(chosen) == 2:  # one demo's variant named by another's flag (--flow --compare)
+        for first, second in (chosen, chosen[::-1]):
+            if demos[second].flag in demos[first].combined:
+                run, chosen = demos[first].combined[demos[second].flag], [first]
+                break
     for dest, (owners, option, unset) in args.demo_options.items():  # a demo's options go with its demos alone
         if getattr(args, dest) == unset or (len(chosen) == 1 and chosen[0] in owners):
             continue
@@ -331,7 +340,7 @@ def cmd_demo(args) -> int:
         name = defaults[0]
     options = {dest: getattr(args, dest) for dest, (owners, _, _) in args.demo_options.items() if name in owners}
     out = {"out": args.out} if args.out else {}
-    resolve(demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
+    resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
     return 0
 
 

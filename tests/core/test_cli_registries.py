@@ -83,7 +83,11 @@ def test_demos():
     def run_b(out="runs/t-b", *, quick, seed, t_k=None):
         runs.append(("b", out, quick, seed, t_k))
 
-    DEMOS.register("_t_a", Demo(run=run_a, flag="--t-a", help="demo a"))
+    def run_a_with_b(out="runs/t-a-b", *, quick, seed):
+        runs.append(("a with b", out, quick, seed))
+
+    DEMOS.register("_t_a", Demo(run=run_a, flag="--t-a", help="demo a", combined={"--t-b": run_a_with_b}))
+    DEMOS.register("_t_c", Demo(run=run_a, flag="--t-c", help="demo c"))
     DEMOS.register("_t_b", Demo(run=run_b, flag="--t-b", help="demo b",
                                 options=(("--t-k", dict(type=int, metavar="K", help="b's own")),)))
     try:
@@ -91,6 +95,7 @@ def test_demos():
     finally:
         DEMOS.unregister("_t_a")
         DEMOS.unregister("_t_b")
+        DEMOS.unregister("_t_c")
 
 
 def test_a_demo_runs_by_its_flag_with_its_own_options(test_demos, tmp_path):
@@ -100,8 +105,18 @@ def test_a_demo_runs_by_its_flag_with_its_own_options(test_demos, tmp_path):
     assert test_demos == [("a", "runs/t-a", True, 3), ("b", str(tmp_path), False, 0, 2)]
 
 
+def test_a_demo_with_another_demos_flag_runs_its_combined_variant(test_demos):
+    """``Demo.combined``: --t-a with --t-b (either order) is a's variant, as --flow --compare is."""
+    assert main(["demo", "--t-b", "--t-a", "--quick"]) == 0
+    assert main(["demo", "--t-a", "--t-b"]) == 0
+    assert test_demos == [("a with b", "runs/t-a-b", True, 0), ("a with b", "runs/t-a-b", False, 0)]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--t-b", "--t-a"], "grouprl demo: --t-b and --t-a are separate demos; choose one"),
+    (["--t-b", "--t-c"], "grouprl demo: --t-b and --t-c are separate demos; choose one"),
+    (["--t-a", "--t-c"], "grouprl demo: --t-a and --t-c are separate demos; choose one"),
+    (["--t-b", "--t-a", "--t-k", "2"], "grouprl demo: --t-k K is an option of the --t-b demo; use it with --t-b "
+                                       "(and without --t-a)"),
     (["--t-k", "2"], "grouprl demo: --t-k K is an option of the --t-b demo; use it with --t-b"),
     (["--t-a", "--t-k", "2"], "grouprl demo: --t-k K is an option of the --t-b demo; use it with --t-b "
                               "(and without --t-a)"),

@@ -38,6 +38,8 @@ QUICK_NOTE = (f"--quick is the demo made small ({QUICK['pretrain_steps']} pretra
 IMAGE_SIZE = 16
 EVAL_STEPS = 20
 TRAIN_PROMPTS = 512  # the prompt pool RL draws from (training combinations only)
+QUICK_NOTE_COMPARE = ("--quick is the comparison made small (its numbers are noise); the full run is "
+                      "grouprl demo --flow --compare.")
 
 
 def flow_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, seed: int) -> dict:
@@ -65,6 +67,26 @@ def flow_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, se
     }
 
 
+def nft_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, seed: int,
+                    max_wall_seconds: float | None = None) -> dict:
+    """The DiffusionNFT run of ``--flow --compare``: the Fast run's model, prompts, group, LoRA and optimizer,
+    with DiffusionNFT's sampler (the 10-step ODE from the old adapter, no guidance) and loss."""
+    config = flow_demo_config(out, model_path, prompts, sizes, seed)
+    config["algorithm"] = {"name": "diffusion_nft", "global_std": True, "kl_coef": 0.0,
+                           "timestep_fraction": NFT_TIMESTEP_FRACTION, "nft": {"beta": NFT_BETA}}
+    config["worker"]["rollout"]["noise_level"] = 0.0
+    config["trainer"].update(output_dir=str(out / "diffusion_nft"), experiment_name="demo-flow-nft")
+    if max_wall_seconds is not None:  # as long as the Fast run trained, at most 10 times its steps
+        config["trainer"].update(max_wall_seconds=max_wall_seconds, max_steps=10 * sizes["grpo_steps"])
+    return config
+
+
+# DiffusionNFT in the comparison: NVlabs' beta (1.0) and 3 of the 10 times per image (the Fast window's
+# 3 trained steps), so that a step costs about what a Fast step costs
+NFT_BETA = 1.0
+NFT_TIMESTEP_FRACTION = 0.3
+
+
 def evaluate(model, prompts: list[str], *, seed: int) -> dict:
     """ODE samples (``EVAL_STEPS`` steps, fixed noise) of ``prompts``, scored by the shapes reward."""
     from grouprl.domains.diffusion.pretrain import sample_ode
@@ -76,21 +98,103 @@ def evaluate(model, prompts: list[str], *, seed: int) -> dict:
     return {"mean_reward": sum(scores) / len(scores), "scores": scores, "images": images}
 
 
+class _Pretrained:
+    """Stage 1 of every flow demo: the tiny model pretrained on the shapes, the prompts, the pretrained score."""
+
+    def __init__(self, out: Path, sizes: dict, seed: int, console, title: str) -> None:
+        from grouprl.domains.diffusion import shapes
+        from grouprl.domains.diffusion.models import load_flow_model
+        from grouprl.domains.diffusion.pretrain import pretrain_flow
+        from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
+
+        console.rule(f"[bold]{title}")
+        init = build_tiny_pixel_flow(out / "init_model", seed=seed, image_size=IMAGE_SIZE)
+        model = load_flow_model(init)
+        self.n_params = sum(p.numel() for p in model.transformer.parameters())
+        pairs = shapes.make_pairs(sizes["pairs"], seed=seed, size=IMAGE_SIZE, split="train")
+        self.held_out = shapes.make_prompts(sizes["held_out"], seed + 1, "held_out")
+        train_prompts = shapes.make_prompts(TRAIN_PROMPTS, seed + 2, "train")
+        self.prompts_file = out / "data" / "train_prompts.jsonl"
+        write_text_atomic(self.prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in train_prompts))
+        console.print(f"tiny SD3 transformer ({self.n_params / 1e6:.2f}M parameters, {IMAGE_SIZE}x{IMAGE_SIZE} "
+                      f"pixels); {len(pairs)} pretraining images; {len(self.held_out)} held-out prompts of "
+                      "combinations never seen in training")
+        console.rule("[bold]rectified-flow pretraining")
+        t0 = time.perf_counter()
+        self.losses = pretrain_flow(model, pairs, steps=sizes["pretrain_steps"], batch_size=sizes["pretrain_batch"],
+                                    lr=1e-3, seed=seed, warmup_steps=min(20, sizes["pretrain_steps"] // 5),
+                                    lr_schedule="cosine")
+        self.seconds = time.perf_counter() - t0
+        self.path = out / "pretrained_model"
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        shutil.copytree(init, self.path)
+        model.transformer.save_pretrained(self.path / "transformer")
+        console.print(f"loss {self.losses[0]:.3f} -> {self.loss_last20:.3f} (mean of the last 20 steps)")
+        self.result = evaluate(model, self.held_out, seed=seed + 3)
+
+    @property
+    def loss_last20(self) -> float:
+        return sum(self.losses[-20:]) / len(self.losses[-20:])
+
+
+def _train(config: dict, held_out: list[str], seed: int) -> dict:
+    """Train one RL run from the pretrained model and score it on the held-out prompts; its seconds, steps
+    and training images per second."""
+    from grouprl.domains.diffusion.config import flow_config_from_dict
+    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+
+    trainer = FlowGRPOTrainer(flow_config_from_dict(config))
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    trainer.model.transformer = trainer.policy  # the LoRA-wrapped transformer samples the trained model
+    result = evaluate(trainer.model, held_out, seed=seed + 3)
+    steps = trainer.state.global_step
+    images = steps * config["data"]["rollout_batch_size"] * config["worker"]["rollout"]["n"]
+    return {**result, "seconds": seconds, "steps": steps, "images_per_s": images / seconds}
+
+
+def _table(title: str, rows: dict[str, dict]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("model", "mean reward", "reward >= 0.5", "RL steps", "train s", "images/s"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name, r in rows.items():
+        trained = "steps" in r
+        table.add_row(name, f"{r['mean_reward']:.3f}", f"{sum(s >= 0.5 for s in r['scores']) / len(r['scores']):.3f}",
+                      str(r["steps"]) if trained else "-", f"{r['seconds']:.0f}" if trained else "-",
+                      f"{r['images_per_s']:.1f}" if trained else "-")
+    return table
+
+
+def _summary(pre: _Pretrained, sizes: dict, seed: int, runs: dict[str, dict], **extra) -> dict:
+    return {
+        "task": "coloured squares placed as the prompt asks (grouprl.domains.diffusion.shapes), 16x16 RGB",
+        "reward": "shapes (coverage of the asked colour in the asked half, minus stray pixels, halved on a wrong count)",
+        "evaluation": f"ODE sampling, {EVAL_STEPS} steps, fixed noise, held-out prompt combinations",
+        "model_parameters": pre.n_params,
+        "sizes": sizes,
+        "seed": seed,
+        "pretrain_loss_first": pre.losses[0],
+        "pretrain_loss_last20": pre.loss_last20,
+        "pretrain_seconds": pre.seconds,
+        "held_out_prompts": pre.held_out,
+        "pretrained": {"mean_reward": pre.result["mean_reward"], "scores": pre.result["scores"]},
+        **{name: {k: v for k, v in r.items() if k != "images"} for name, r in runs.items()},
+        **extra,
+    }
+
+
 def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, seed: int = 0) -> dict:
     """Pretrain, evaluate, Flow-GRPO-Fast, evaluate; one table, summary.json, samples.png, reward_curve.png."""
     from rich.console import Console
-    from rich.table import Table
 
     from grouprl.domains.diffusion.config import require_diffusers
 
     require_diffusers()
-    from grouprl.domains.diffusion import shapes
-    from grouprl.domains.diffusion.config import flow_config_from_dict
     from grouprl.domains.diffusion.images import save_grid
-    from grouprl.domains.diffusion.models import load_flow_model
-    from grouprl.domains.diffusion.pretrain import pretrain_flow
-    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
 
     console = Console()
     sizes = QUICK if quick else FULL
@@ -98,83 +202,87 @@ def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, se
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     t_start = time.perf_counter()
-    console.rule("[bold]grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
+    pre = _Pretrained(out, sizes, seed, console,
+                      "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
+    console.rule("[bold]Flow-GRPO-Fast")
+    after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
 
-    init = build_tiny_pixel_flow(out / "init_model", seed=seed, image_size=IMAGE_SIZE)
-    model = load_flow_model(init)
-    n_params = sum(p.numel() for p in model.transformer.parameters())
-    pairs = shapes.make_pairs(sizes["pairs"], seed=seed, size=IMAGE_SIZE, split="train")
-    held_out = shapes.make_prompts(sizes["held_out"], seed + 1, "held_out")
-    train_prompts = shapes.make_prompts(TRAIN_PROMPTS, seed + 2, "train")
-    prompts_file = out / "data" / "train_prompts.jsonl"
-    write_text_atomic(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in train_prompts))
-    console.print(f"tiny SD3 transformer ({n_params / 1e6:.2f}M parameters, {IMAGE_SIZE}x{IMAGE_SIZE} pixels); "
-                  f"{len(pairs)} pretraining images; {len(held_out)} held-out prompts of combinations never "
-                  "seen in training")
-
-    console.rule("[bold]1/3 rectified-flow pretraining")
-    t0 = time.perf_counter()
-    losses = pretrain_flow(model, pairs, steps=sizes["pretrain_steps"], batch_size=sizes["pretrain_batch"], lr=1e-3,
-                           seed=seed, warmup_steps=min(20, sizes["pretrain_steps"] // 5), lr_schedule="cosine")
-    seconds = {"pretrain": time.perf_counter() - t0}
-    pretrained = out / "pretrained_model"
-    if pretrained.exists():
-        shutil.rmtree(pretrained)
-    shutil.copytree(init, pretrained)
-    model.transformer.save_pretrained(pretrained / "transformer")
-    console.print(f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} (mean of the last 20 steps)")
-    before = evaluate(model, held_out, seed=seed + 3)
-
-    console.rule("[bold]2/3 Flow-GRPO-Fast")
-    t0 = time.perf_counter()
-    trainer = FlowGRPOTrainer(flow_config_from_dict(flow_demo_config(out, pretrained, prompts_file, sizes, seed)))
-    trainer.train()
-    seconds["flow_grpo_fast"] = time.perf_counter() - t0
-    trainer.model.transformer = trainer.policy  # the LoRA-wrapped transformer samples the trained model
-    after = evaluate(trainer.model, held_out, seed=seed + 3)
-
-    console.rule("[bold]3/3 held-out prompts, ODE sampling, the same noise")
-    table = Table(title=f"held-out prompts (n={len(held_out)}): shapes reward in [0, 1] (colour, side, count)")
-    for column in ("model", "mean reward", "reward >= 0.5", "seconds"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    rows = {"pretrained": before, "pretrained + Flow-GRPO-Fast": after}
-    secs = {"pretrained": seconds["pretrain"], "pretrained + Flow-GRPO-Fast": seconds["flow_grpo_fast"]}
-    for name, r in rows.items():
-        table.add_row(name, f"{r['mean_reward']:.3f}", f"{sum(s >= 0.5 for s in r['scores']) / len(r['scores']):.3f}",
-                      f"{secs[name]:.0f}")
-    console.print(table)
+    console.rule("[bold]held-out prompts, ODE sampling, the same noise")
+    rows = {"pretrained": pre.result, "pretrained + Flow-GRPO-Fast": after}
+    console.print(_table(f"held-out prompts (n={len(pre.held_out)}): shapes reward in [0, 1] (colour, side, count)",
+                         rows))
     if quick:
         console.print(QUICK_NOTE)
-
-    k = min(16, len(held_out))
-    grid = save_grid(before["images"][:k] + after["images"][:k], out / "samples.png", columns=k,
-                     captions=[f"{p}\nreward {s:.2f}" for p, s in zip(held_out[:k] * 2,
-                                                                      before["scores"][:k] + after["scores"][:k])],
+    k = min(16, len(pre.held_out))
+    grid = save_grid(pre.result["images"][:k] + after["images"][:k], out / "samples.png", columns=k,
+                     captions=[f"{p}\nreward {s:.2f}" for p, s in zip(pre.held_out[:k] * 2,
+                                                                      pre.result["scores"][:k] + after["scores"][:k])],
                      row_labels=list(rows))
     curves = {"Flow-GRPO-Fast": out / "flow_grpo_fast" / "metrics.jsonl"}
     curve = plot_reward_curves(curves, out / "reward_curve.png", xlabel="Flow-GRPO-Fast step",
                                ylabel="mean training reward\n(shapes, SDE samples)",
                                title="grouprl demo --flow: Flow-GRPO-Fast on coloured squares")
-    summary = {
-        "task": "coloured squares placed as the prompt asks (grouprl.domains.diffusion.shapes), 16x16 RGB",
-        "algorithm": "flow_grpo_fast",
-        "reward": "shapes (coverage of the asked colour in the asked half, minus stray pixels, halved on a wrong count)",
-        "evaluation": f"ODE sampling, {EVAL_STEPS} steps, fixed noise, held-out prompt combinations",
-        "model_parameters": n_params,
-        "sizes": sizes,
-        "seed": seed,
-        "pretrain_loss_first": losses[0],
-        "pretrain_loss_last20": sum(losses[-20:]) / len(losses[-20:]),
-        "held_out_prompts": held_out,
-        "pretrained": {"mean_reward": before["mean_reward"], "scores": before["scores"]},
-        "flow_grpo_fast": {"mean_reward": after["mean_reward"], "scores": after["scores"]},
-        "seconds": seconds,
-        "wall_seconds": time.perf_counter() - t_start,
-        "samples": str(grid),
-        "reward_curve": str(curve) if curve else None,
-    }
+    summary = _summary(pre, sizes, seed, {"flow_grpo_fast": after}, algorithm="flow_grpo_fast",
+                       wall_seconds=time.perf_counter() - t_start, samples=str(grid),
+                       reward_curve=str(curve) if curve else None)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(f"samples (top: pretrained, bottom: trained): {grid.resolve()}")
     console.print(curve_line(curve, "reward curve", curves))
+    console.print(f"summary: {(out / 'summary.json').resolve()}")
+    return summary
+
+
+def run_flow_compare(out: str | Path = "runs/demo-flow-compare", *, quick: bool = False, seed: int = 0) -> dict:
+    """`grouprl demo --flow --compare`: Flow-GRPO-Fast, then DiffusionNFT for as long as Fast trained, from the
+    same pretrained model on the same prompts; one table (held-out reward before and after, training images
+    per second), one grid, both reward curves."""
+    from rich.console import Console
+
+    from grouprl.domains.diffusion.config import require_diffusers
+
+    require_diffusers()
+    from grouprl.domains.diffusion.images import save_grid
+
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    t_start = time.perf_counter()
+    pre = _Pretrained(out, sizes, seed, console, "grouprl demo --flow --compare: Flow-GRPO-Fast vs DiffusionNFT, "
+                                                 "the same model, prompts and training time, CPU")
+    console.rule(f"[bold]Flow-GRPO-Fast, {sizes['grpo_steps']} steps")
+    fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
+    console.rule(f"[bold]DiffusionNFT, {fast['seconds']:.0f} s (as long as Flow-GRPO-Fast trained)")
+    nft = _train(nft_demo_config(out, pre.path, pre.prompts_file, sizes, seed, max_wall_seconds=fast["seconds"]),
+                 pre.held_out, seed)
+
+    console.rule("[bold]held-out prompts, ODE sampling, the same noise")
+    rows = {"pretrained": pre.result, "Flow-GRPO-Fast": fast, "DiffusionNFT": nft}
+    console.print(_table(f"held-out prompts (n={len(pre.held_out)}): shapes reward in [0, 1]; the same training "
+                         "time for both", rows))
+    console.print("images/s: training images sampled per second of training (Fast: 10-step SDE/ODE rollouts with a "
+                  f"3-step window; NFT: 10-step ODE rollouts from its old adapter, {NFT_TIMESTEP_FRACTION:g} of the "
+                  "times trained per image).")
+    if quick:
+        console.print(QUICK_NOTE_COMPARE)
+    k = min(16, len(pre.held_out))
+    grid = save_grid([im for r in rows.values() for im in r["images"][:k]], out / "samples.png", columns=k,
+                     captions=[f"{p}\nreward {s:.2f}" for r in rows.values()
+                               for p, s in zip(pre.held_out[:k], r["scores"][:k])],
+                     row_labels=list(rows))
+    curves = {"Flow-GRPO-Fast": out / "flow_grpo_fast" / "metrics.jsonl",
+              "DiffusionNFT": out / "diffusion_nft" / "metrics.jsonl"}
+    curve = plot_reward_curves(curves, out / "reward_curve.png", xlabel="training step",
+                               ylabel="mean training reward\n(shapes, rollout samples)",
+                               title="grouprl demo --flow --compare: the same training time")
+    summary = _summary(pre, sizes, seed, {"flow_grpo_fast": fast, "diffusion_nft": nft},
+                       algorithms=["flow_grpo_fast", "diffusion_nft"],
+                       nft_settings={"beta": NFT_BETA, "timestep_fraction": NFT_TIMESTEP_FRACTION},
+                       wall_seconds=time.perf_counter() - t_start, samples=str(grid),
+                       reward_curve=str(curve) if curve else None)
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    console.print(f"samples (rows: pretrained, Flow-GRPO-Fast, DiffusionNFT): {grid.resolve()}")
+    console.print(curve_line(curve, "reward curves", curves))
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary

@@ -23,4 +23,7 @@ TRAINER_KINDS.register("flow", TrainerKind(
 DEMOS.register("flow", Demo(
     run="grouprl.domains.diffusion.demo:run_flow_demo", flag="--flow",
     help="Flow-GRPO-Fast on a tiny SD3 transformer drawing coloured squares (needs grouprl[diffusion]): "
-         "pretrain, then RL against a rule reward, compared on held-out prompts (default out runs/demo-flow)"))
+         "pretrain, then RL against a rule reward, compared on held-out prompts (default out runs/demo-flow); "
+         "with --compare: Flow-GRPO-Fast and DiffusionNFT for the same training time (default out "
+         "runs/demo-flow-compare)",
+    combined={"--compare": "grouprl.domains.diffusion.demo:run_flow_compare"}))
