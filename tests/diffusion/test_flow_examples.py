@@ -1,5 +1,5 @@
 """The flow-matching recipes of examples/ (`kind: flow`): each loads with its source's numbers (MM-GRPO's
-for Flow-GRPO and Fast, verl-omni's for GRPO-Guard), and each runs one step on the tiny SD3.5-shaped
+for Flow-GRPO and Fast, verl-omni's for GRPO-Guard, NVlabs' for DiffusionNFT), and each runs one step on the tiny SD3.5-shaped
 pipeline (two CLIPs, T5, VAE) through the overrides examples/run_tiny.sh uses.
 
 The other recipes: tests/core/test_examples.py."""
@@ -45,6 +45,18 @@ EXPECTED = {
         "worker.rollout.val_num_steps": 50, "worker.rollout.val_images_to_log": 8,
         "worker.actor.model.dtype": "bfloat16", "trainer.total_epochs": 15, "trainer.max_steps": 300,
         "trainer.val_freq": 30, "trainer.save_freq": 30, "trainer.val_before_train": False,
+    },
+    # NVlabs' config/nft.py sd3_ocr (with _get_config's SD3 defaults) and base.py
+    "diffusion_nft_sd35m_ocr.yaml": {
+        "algorithm.name": "diffusion_nft", "algorithm.nft.beta": 0.1, "algorithm.nft.adaptive_weighting": True,
+        "algorithm.nft.decay_flat": 75, "algorithm.nft.decay_rate": 0.0075, "algorithm.nft.decay_ceiling": 0.999,
+        "algorithm.kl_coef": 1e-4, "algorithm.adv_clip_max": 5.0, "algorithm.timestep_fraction": 0.99,
+        "algorithm.global_std": True, "data.rollout_batch_size": 48, "worker.rollout.n": 24,
+        "worker.rollout.num_steps": 10, "worker.rollout.val_num_steps": 40, "worker.rollout.guidance_scale": 1.0,
+        "worker.rollout.noise_level": 0.0, "worker.rollout.height": 512, "worker.actor.optim.lr": 3e-4,
+        "worker.actor.optim.weight_decay": 1e-4, "worker.actor.max_grad_norm": 1.0,
+        "worker.actor.model.lora.rank": 32, "worker.actor.model.lora.alpha": 64, "worker.actor.num_minibatches": 2,
+        "worker.actor.ema.enabled": True, "worker.actor.ema.decay": 0.9, "worker.actor.ema.update_interval": 1,
     },
 }
 # verl-omni's LoRA targets for Qwen-Image (attention and MLPs), under SD3's names

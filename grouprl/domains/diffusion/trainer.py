@@ -1,4 +1,4 @@
-"""Flow-GRPO, Flow-GRPO-Fast and GRPO-Guard: group-relative RL for flow-matching image models.
+"""Flow-GRPO, Flow-GRPO-Fast, GRPO-Guard and DiffusionNFT: group-relative RL for flow-matching image models.
 
 One training step, top to bottom (``FlowGRPOTrainer.step``):
 
@@ -29,6 +29,14 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
    ``actor/zero_advantage_rows`` and ``actor/skipped_rows``;
 7. with ``worker.actor.ema``, the moving average of the trained weights, which
    validation samples with and checkpoints hold beside the weights.
+
+DiffusionNFT (``algorithm.name: diffusion_nft``, ``nft.py``) takes the same stages with
+other rows: its "old" LoRA adapter samples (step 2: the ODE, or SDE steps, none stored);
+each image's clean sample is noised afresh at ``int(num_steps * timestep_fraction)`` of
+the schedule's times (``nft_rows``: rows are (image, time) pairs); step 5 computes the
+old adapter's velocity (and with a KL term the adapters-off one) at each row; the update
+trains the other adapter's velocity with ``nft.nft_loss``; after it the old adapter
+moves towards the trained one (``nft.update_old_policy``). Checkpoints hold both adapters.
 
 The run around the steps (checkpoints, resume, metric reduction and the metrics'
 schema, logs, validation cadence, the one-step-off prefetcher) is the language
