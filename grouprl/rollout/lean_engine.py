@@ -241,7 +241,7 @@ def fused_decoder_supported(model) -> bool:
     """Whether ``_FusedDecoder`` computes ``model``'s (text) forward: a plain (no adapters, no quantised
     or otherwise wrapped projections) Qwen2 / Llama causal LM, or Qwen2-VL / Qwen2.5-VL language model,
     with default RoPE (M-RoPE's sections for the VLMs) and full attention."""
-    model = unwrap_model(model)
+    model = _base_model(model)  # a PEFT model's adapters sit in the base model's projections
     parts = _language_model(model)
     if parts is None or parts[0] is None:
         return False
@@ -331,7 +331,7 @@ class _FusedDecoder:
     """
 
     def __init__(self, model, rows: int, capacity: int) -> None:
-        model = unwrap_model(model)
+        model = _base_model(model)
         inner, config = _language_model(model)
         self.embed = inner.embed_tokens.weight
         self.norm, self.eps = inner.norm.weight, float(config.rms_norm_eps)
