@@ -264,9 +264,9 @@ def fused_decoder_supported(model) -> bool:
     layer_types = _VLM_DECODER_LAYER_TYPES if vision else _DECODER_LAYER_TYPES
     if vision:
         section = list(getattr(rotary, "mrope_section", None) or [])
-        heads = inner.layers[0].self_attn.head_dim if len(inner.layers) else None
+        head_dim = inner.layers[0].self_attn.head_dim if len(inner.layers) else None
         # the rotary's section recomposition, which _FusedDecoder repeats, is these classes'
-        if type(rotary) not in _VLM_ROTARY_TYPES or len(section) != 3 or (heads and 2 * sum(section) != heads):
+        if type(rotary) not in _VLM_ROTARY_TYPES or len(section) != 3 or (head_dim and 2 * sum(section) != head_dim):
             return False
     for layer in getattr(inner, "layers", []):
         attn, mlp = layer.self_attn, layer.mlp

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -225,6 +225,39 @@ def test_vlm_placeholders_are_suppressed_as_generate_does(fused_vlm, fused):
         got = engine.generate(samples(), params)
     assert_same_rollouts(got, want)
     assert not torch.isin(got.response_ids, torch.tensor(engine.suppressed_token_ids)).any()
+
+
+def test_fused_decoder_is_the_vlm_language_models_forward_under_m_rope(fused_vlm):
+    """Positions whose t, h, w rows differ (an image's): the written-out decoder turns each band of
+    frequencies by its M-RoPE section's row, as the language model does; then decode steps after
+    ``load_cache`` of the language model's own cache."""
+    model, _, _ = fused_vlm
+    torch.manual_seed(2)
+    ids = torch.randint(5, 100, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    positions = torch.stack([(mask.cumsum(-1) - 1).clamp(min=0)] * 3) + torch.tensor([0, 3, 5])[:, None, None]
+    positions[1:, :, 2:4] += torch.tensor([[1, 2], [2, 0]])[:, None, :]  # an "image" whose rows differ
+    language_model = model.model.language_model
+    with torch.no_grad():
+        hidden = language_model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        want = model.lm_head(hidden[:, -1])
+    decoder = _FusedDecoder(model, 2, 9)
+    torch.testing.assert_close(decoder(ids, mask, positions), want, atol=1e-5, rtol=1e-5)
+
+    prompt = 5  # the model's forward over the first columns, then the decoder from its cache
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    with torch.no_grad():
+        language_model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt],
+                       position_ids=positions[..., :prompt], cache=cache, use_cache=True)
+    decoder = _FusedDecoder(model, 2, 9)
+    decoder.load_cache(cache)
+    for t in range(prompt, 7):
+        got = decoder(ids[:, t:t + 1], mask[:, :t + 1], positions[..., t:t + 1])
+        with torch.no_grad():
+            hidden = language_model(input_ids=ids[:, :t + 1], attention_mask=mask[:, :t + 1],
+                                    position_ids=positions[..., :t + 1]).last_hidden_state
+        torch.testing.assert_close(got, model.lm_head(hidden[:, -1]), atol=1e-5, rtol=1e-5)
 
 
 def test_vlm_decodes_on_the_fused_decoder(fused_vlm):
