@@ -260,6 +260,19 @@ def test_fused_decoder_is_the_vlm_language_models_forward_under_m_rope(fused_vlm
         torch.testing.assert_close(got, model.lm_head(hidden[:, -1]), atol=1e-5, rtol=1e-5)
 
 
+def test_vlm_continues_from_token_ids_and_image_tensors(fused_vlm):
+    """Prompts given as ids with their images' tensors (a dialogue's next turn): hf_lean samples what it
+    samples from the messages, and what hf samples from the same ids."""
+    model, processor, _ = fused_vlm
+    ids, mask, inputs = encode_prompts(processor, samples())
+    prompts = [EncodedPrompt(row[m.bool()], extra) for row, m, extra in zip(ids, mask, inputs)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=4, return_log_probs=True)
+    engine = LeanGenerationEngine(model, processor)
+    got = engine.generate(samples(), params, prompts=prompts)
+    assert torch.equal(got.response_ids, engine.generate(samples(), params).response_ids)
+    assert_same_rollouts(got, HFGenerationEngine(model, processor).generate(samples(), params, prompts=prompts))
+
+
 def test_vlm_decodes_on_the_fused_decoder(fused_vlm):
     model, processor, _ = fused_vlm
     assert fused_decoder_supported(model)
