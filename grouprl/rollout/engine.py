@@ -13,8 +13,8 @@ log-probs. Engines are chosen by ``worker.rollout.engine``:
 - ``hf_static``: ``generate`` with a static KV cache and a compiled decoder, compiled
   once per shape bucket;
 - ``hf_lean``: a plain decoding loop of its own (prefill, KV cache, ``generate``'s
-  sampling), several times faster than ``generate`` for small text models on a CPU;
-  vision-language models are refused;
+  sampling), several times faster than ``generate`` for small models on a CPU (text
+  models, and Qwen2-VL / Qwen2.5-VL / Qwen3-VL; other vision-language models are refused);
 - ``vllm``: vLLM in the training process (``pip install 'grouprl[vllm]'``).
 
 Register another with ``register_engine(name, "package.module:Class")`` (or the class).
