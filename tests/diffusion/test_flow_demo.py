@@ -52,3 +52,30 @@ def test_quick_flow_demo_end_to_end(tmp_path, capsys, monkeypatch):
 def test_flow_demo_is_its_own_demo(tmp_path, capsys):
     assert main(["demo", "--flow", "--guided", "--quick", "--out", str(tmp_path / "x")]) == 2
     assert "choose one" in capsys.readouterr().err
+
+
+def test_flow_compare_trains_nft_for_the_time_fast_took(tmp_path, capsys, monkeypatch):
+    """`grouprl demo --flow --compare` (made smaller still): Flow-GRPO-Fast, then DiffusionNFT from the same
+    pretrained model with trainer.max_wall_seconds = Fast's training seconds; one table, one grid, two curves."""
+    import yaml
+
+    monkeypatch.setattr(demo, "QUICK", dict(pretrain_steps=100, pretrain_batch=8, pairs=256, grpo_steps=3,
+                                            prompts_per_step=2, n=4, held_out=8))
+    out = tmp_path / "cmp"
+    assert main(["demo", "--compare", "--flow", "--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    fast, nft = summary["flow_grpo_fast"], summary["diffusion_nft"]
+    for run in (fast, nft):
+        assert len(run["scores"]) == 8 and run["mean_reward"] == pytest.approx(sum(run["scores"]) / 8)
+        assert run["images_per_s"] == pytest.approx(run["steps"] * 2 * 4 / run["seconds"])
+    assert fast["steps"] == 3 and nft["steps"] >= 1
+    saved = yaml.safe_load((out / "diffusion_nft" / "config.yaml").read_text())
+    assert saved["algorithm"]["name"] == "diffusion_nft" and saved["worker"]["rollout"]["noise_level"] == 0.0
+    assert saved["trainer"]["max_wall_seconds"] == pytest.approx(fast["seconds"])
+    assert saved["worker"]["actor"]["model"]["model_path"] == str(out / "pretrained_model")
+    nft_steps = [json.loads(x)["step"] for x in (out / "diffusion_nft" / "metrics.jsonl").read_text().splitlines()]
+    assert nft_steps == list(range(1, nft["steps"] + 1))
+    assert (out / "samples.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["reward_curve"] is None  # too few steps for a curve (the full run draws both)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "DiffusionNFT" in printed and "Flow-GRPO-Fast" in printed and "images/s" in printed
