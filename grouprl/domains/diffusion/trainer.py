@@ -458,8 +458,9 @@ class FlowGRPOTrainer(TrainingLoop):
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
         metrics.moments("advantages", advantages.tolist())
-        metrics.mean("rollout/trained_steps", float(trained_per_image))
-        metrics.mean("rollout/first_trained_step", float(rollout.steps[0]) if rollout.steps else math.nan)
+        metrics.mean("rollout/trained_steps", float(trained_per_image))  # DiffusionNFT: training times per image
+        if not self.nft:  # DiffusionNFT's times are drawn per image
+            metrics.mean("rollout/first_trained_step", float(rollout.steps[0]) if rollout.steps else math.nan)
         metrics.max("timing/step_s", time.perf_counter() - t0)
         metrics.sum("perf/images", float(len(rollout.prompts)))
         records = self.rollout_records(rollout, advantages) if self.config.trainer.log_rollouts else None
