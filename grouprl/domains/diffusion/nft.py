@@ -47,7 +47,8 @@ def forward_noised(x0: Tensor, noise: Tensor, t: Tensor) -> tuple[Tensor, Tensor
         raise ValueError(f"x0 and noise must have one shape; got {tuple(x0.shape)} and {tuple(noise.shape)}")
     if t.shape != (x0.shape[0],):
         raise ValueError(f"t must have shape ({x0.shape[0]},); got {tuple(t.shape)}")
-    t_ = t.to(x0.dtype).reshape(-1, *([1] * (x0.dim() - 1)))
+    t_ = t.to(device=x0.device, dtype=x0.dtype).reshape(-1, *([1] * (x0.dim() - 1)))
+    noise = noise.to(x0)
     return (1 - t_) * x0 + t_ * noise, noise - x0
 
 

@@ -243,8 +243,8 @@ OLD_ADAPTER = "old"  # DiffusionNFT's sampling adapter (NVlabs' name); PEFT save
 
 
 class FlowGRPOTrainer(TrainingLoop):
-    """Trains LoRA adapters of a flow-matching transformer with Flow-GRPO, Flow-GRPO-Fast or GRPO-Guard
-    (``algorithm.name``); the run loop is ``TrainingLoop``'s, the step this class's."""
+    """Trains LoRA adapters of a flow-matching transformer with Flow-GRPO, Flow-GRPO-Fast, GRPO-Guard or
+    DiffusionNFT (``algorithm.name``); the run loop is ``TrainingLoop``'s, the step this class's."""
 
     def __init__(self, config: FlowConfig, *, train_records: list[dict] | None = None,
                  val_records: list[dict] | None = None):
