@@ -138,6 +138,22 @@ class _Pretrained:
         return sum(self.losses[-20:]) / len(self.losses[-20:])
 
 
+def _start(out: str | Path, quick: bool, seed: int, title: str):
+    """What every flow demo starts with: diffusers checked, the sizes, the output directory, the seed and
+    the pretrained model (``_Pretrained``); returns ``(console, sizes, out, pretrained)``."""
+    from rich.console import Console
+
+    from grouprl.domains.diffusion.config import require_diffusers
+
+    require_diffusers()
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    return console, sizes, out, _Pretrained(out, sizes, seed, console, title)
+
+
 def _train(config: dict, held_out: list[str], seed: int) -> dict:
     """Train one RL run from the pretrained model and score it on the held-out prompts; its seconds, steps
     and training images per second."""
@@ -189,21 +205,11 @@ def _summary(pre: _Pretrained, sizes: dict, seed: int, runs: dict[str, dict], **
 
 def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, seed: int = 0) -> dict:
     """Pretrain, evaluate, Flow-GRPO-Fast, evaluate; one table, summary.json, samples.png, reward_curve.png."""
-    from rich.console import Console
-
-    from grouprl.domains.diffusion.config import require_diffusers
-
-    require_diffusers()
     from grouprl.domains.diffusion.images import save_grid
 
-    console = Console()
-    sizes = QUICK if quick else FULL
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
     t_start = time.perf_counter()
-    pre = _Pretrained(out, sizes, seed, console,
-                      "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
+    console, sizes, out, pre = _start(
+        out, quick, seed, "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
     console.rule("[bold]Flow-GRPO-Fast")
     after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
 
@@ -236,21 +242,11 @@ def run_flow_compare(out: str | Path = "runs/demo-flow-compare", *, quick: bool 
     """`grouprl demo --flow --compare`: Flow-GRPO-Fast, then DiffusionNFT for as long as Fast trained, from the
     same pretrained model on the same prompts; one table (held-out reward before and after, training images
     per second), one grid, both reward curves."""
-    from rich.console import Console
-
-    from grouprl.domains.diffusion.config import require_diffusers
-
-    require_diffusers()
     from grouprl.domains.diffusion.images import save_grid
 
-    console = Console()
-    sizes = QUICK if quick else FULL
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
     t_start = time.perf_counter()
-    pre = _Pretrained(out, sizes, seed, console, "grouprl demo --flow --compare: Flow-GRPO-Fast vs DiffusionNFT, "
-                                                 "the same model, prompts and training time, CPU")
+    console, sizes, out, pre = _start(out, quick, seed, "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
+                                                        "DiffusionNFT, the same model, prompts and training time, CPU")
     console.rule(f"[bold]Flow-GRPO-Fast, {sizes['grpo_steps']} steps")
     fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
     console.rule(f"[bold]DiffusionNFT, {fast['seconds']:.0f} s (as long as Flow-GRPO-Fast trained)")
