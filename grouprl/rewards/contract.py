@@ -14,8 +14,9 @@ lists: the dataset's fields (``answer``, ``solution``, ...) plus rollout extras.
 ``[{"role": "assistant", "content": text}]`` list per row (and ``prompts`` its message
 lists); :func:`completion_text` reads either. ``completion_ids`` are each completion's
 token ids, ``trainer_state`` a ``transformers.TrainerState`` (global_step, max_steps,
-epoch), ``log_metric(name, value)`` and ``log_extra(column, values)`` what TRL's are; each
-is None where the caller has none (scoring outside a trainer). A function without
+epoch; None where the caller has none, e.g. scoring outside a trainer); ``log_metric(name,
+value)`` and ``log_extra(column, values)`` (one value per row) do what TRL's do, the reward set
+collecting what they are given into :attr:`RewardResult.logged_metrics` / ``logged_columns``. A function without
 ``**kwargs`` must name every argument it is given. An image reward (the flow trainer's)
 is called positionally::
 
@@ -231,12 +232,16 @@ class RewardResult:
     ``None`` at row ``i`` (:func:`weighted_total`); ``None`` where no component applies
     (only when the set was asked to allow unscored rows). ``errors``: key -> why, for
     the components that raised under ``on_error: none`` (their rows are None).
+    ``logged_metrics``: name -> the values rewards gave TRL's ``log_metric`` this batch;
+    ``logged_columns``: column -> the per-row values given to ``log_extra`` (the last call wins).
     """
 
     components: dict[str, list[float | None]]
     total: list[float | None]
     weights: dict[str, float]
     errors: dict[str, str] = field(default_factory=dict)
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
+    logged_columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
@@ -247,7 +252,8 @@ class RewardResult:
         Per component: ``rewards/{key}/mean`` and ``rewards/{key}/std`` over the rows where
         it applies, ``rewards/{key}/applicable_frac`` and ``rewards/{key}/failed`` (1.0 when
         it raised this batch under ``on_error: none``); then ``reward/mean`` and
-        ``reward/std`` of the total. Stds are population stds (defined for one row). A
+        ``reward/std`` of the total, and ``reward_log/{name}``, the mean of what rewards
+        gave ``log_metric(name, value)``. Stds are population stds (defined for one row). A
         component that applies to no row of the batch gets no mean/std rather than NaN
         (a trainer logging over several processes needs every key every step: it records
         the same statistics with their counts instead).
@@ -263,6 +269,8 @@ class RewardResult:
         scored = [t for t in self.total if t is not None]
         if scored:
             out["reward/mean"], out["reward/std"] = _mean_std(scored)
+        for name, values in self.logged_metrics.items():
+            out[f"reward_log/{name}"] = sum(values) / len(values)
         return out
 
 

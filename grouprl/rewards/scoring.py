@@ -130,14 +130,14 @@ class RewardSet:
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
               completion_ids: Sequence[Sequence[int]] | None = None, trainer_state: Any = None,
-              log_extra: Callable[[str, list], None] | None = None,
-              log_metric: Callable[[str, float], None] | None = None,
               allow_unscored: bool = False) -> RewardResult:
         """Score a batch of completions (``columns``: per-row lists passed by keyword).
 
         Every reward is called as TRL calls it (:mod:`grouprl.rewards.contract`): by keyword,
-        with ``prompts``, ``completions``, ``completion_ids`` (one token-id list per row),
-        ``trainer_state``, ``log_extra``, ``log_metric`` (each None when not given) and the columns.
+        with ``prompts``, ``completions``, ``completion_ids`` (one token-id list per row; None
+        when not given), ``trainer_state`` (None when not given), ``log_extra`` and
+        ``log_metric`` (what rewards give them is in the result's ``logged_columns`` and
+        ``logged_metrics``) and the columns.
 
         Safe to call from inside a running event loop (a notebook, an async server): the
         async rewards then run on a fresh loop in a worker thread, so they must not depend
@@ -147,42 +147,41 @@ class RewardSet:
         total is then None, for the caller to leave the row out (a trainer does, and
         counts it).
         """
-        call = {"completion_ids": completion_ids, "trainer_state": trainer_state, "log_extra": log_extra,
-                "log_metric": log_metric}
+        call = {"completion_ids": completion_ids, "trainer_state": trainer_state}
         return self._score((prompts, completions), columns, allow_unscored, call)
 
     async def ascore(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
                      completion_ids: Sequence[Sequence[int]] | None = None, trainer_state: Any = None,
-                     log_extra: Callable[[str, list], None] | None = None,
-                     log_metric: Callable[[str, float], None] | None = None,
                      allow_unscored: bool = False) -> RewardResult:
         """:meth:`score` for async callers: async rewards run on the caller's event loop."""
-        call = {"completion_ids": completion_ids, "trainer_state": trainer_state, "log_extra": log_extra,
-                "log_metric": log_metric}
+        call = {"completion_ids": completion_ids, "trainer_state": trainer_state}
         return await self._ascore((prompts, completions), columns, allow_unscored, call)
 
     # ------------------------------------------------------------ the one implementation
 
     def _score(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
                allow_unscored: bool, call: Mapping[str, Any] | None = None) -> RewardResult:
-        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns, call))
+        checked_inputs, checked, arguments, logs = self._check_inputs(inputs, columns, call)
+        n, outcomes, pending = self._start(checked_inputs, checked, arguments)
         if pending:
             for (i, _, _), value in zip(pending, _run_concurrently([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
-        return self._combine(outcomes, n, allow_unscored)
+        return self._combine(outcomes, n, allow_unscored, logs)
 
     async def _ascore(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
                       allow_unscored: bool, call: Mapping[str, Any] | None = None) -> RewardResult:
-        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns, call))
+        checked_inputs, checked, arguments, logs = self._check_inputs(inputs, columns, call)
+        n, outcomes, pending = self._start(checked_inputs, checked, arguments)
         if pending:
             for (i, _, _), value in zip(pending, await _gather([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
-        return self._combine(outcomes, n, allow_unscored)
+        return self._combine(outcomes, n, allow_unscored, logs)
 
     def _check_inputs(self, inputs, columns, call=None,
-                      ) -> tuple[list[list[Any]], dict[str, list[Any]], dict[str, Any]]:
-        """The inputs as lists (the rows input through the contract's row check), the checked columns
-        and the contract's call arguments (each of ``call_arguments``, None where not given)."""
+                      ) -> tuple[list[list[Any]], dict[str, list[Any]], dict[str, Any], "_Logs"]:
+        """The inputs as lists (the rows input through the contract's row check), the checked columns,
+        the contract's call arguments (each of ``call_arguments``: the caller's, None where not given,
+        and the log functions of this call) and what those log functions collect."""
         contract = self.contract
         rows_at = contract.inputs.index(contract.rows)
         n = len(inputs[rows_at])
@@ -210,14 +209,17 @@ class RewardSet:
                     "the column would silently override the option. Rename the column.",
                     reward=comp.key,
                 )
+        logs = _Logs(n)
         arguments = {name: (call or {}).get(name) for name in contract.call_arguments}
+        if "log_metric" in arguments:
+            arguments.update(log_metric=logs.log_metric, log_extra=logs.log_extra)
         ids = arguments.get("completion_ids")
         if ids is not None:
             if len(ids) != n:
                 raise ValueError(f"got {len(ids)} completion_ids for {n} {contract.rows}; pass one list of token ids "
                                  f"per {_singular(contract.rows)}")
             arguments["completion_ids"] = [list(row) for row in ids]
-        return checked_inputs, checked, arguments
+        return checked_inputs, checked, arguments, logs
 
     def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]], arguments: dict[str, Any],
                ) -> tuple[int, list[Any], list[tuple[int, Awaitable[Any], float | None]]]:
@@ -269,7 +271,7 @@ class RewardSet:
                 outcomes[i] = out
         return n, outcomes, pending
 
-    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool) -> RewardResult:
+    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool, logs: "_Logs") -> RewardResult:
         contract = self.contract
         if not n:
             return RewardResult(components={k: [] for k in self.keys}, total=[], weights=self.weights)
@@ -296,7 +298,8 @@ class RewardSet:
                 "at least one reward must apply to each row (or score with allow_unscored=True)",
                 row=row,
             )
-        return RewardResult(components=components, total=total, weights=self.weights, errors=errors)
+        return RewardResult(components=components, total=total, weights=self.weights, errors=errors,
+                            logged_metrics=logs.metrics, logged_columns=logs.columns)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{c.key}*{c.weight:g}" for c in self.components)
@@ -318,6 +321,36 @@ class ImageRewardSet(RewardSet):
                      allow_unscored: bool = False) -> RewardResult:
         """:meth:`score` for async callers: async rewards run on the caller's event loop."""
         return await self._ascore((images, prompts), metadata, allow_unscored)
+
+
+class _Logs:
+    """What the rewards of one scoring call give TRL's ``log_metric`` and ``log_extra``.
+
+    Their errors (a name that is not a string, a value that is not a finite number, not one
+    value per row) are raised in the reward's call, so they are reported as the reward's.
+    """
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar for this batch, averaged with the others of its name."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"log_metric: the name must be a non-empty string, got {name!r}")
+        if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__") or not math.isfinite(float(value)):
+            raise ValueError(f"log_metric({name!r}, ...): the value must be a finite number, got {value!r}")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """TRL's ``log_extra``: a column of per-row values logged with the completions."""
+        if not isinstance(column, str) or not column:
+            raise TypeError(f"log_extra: the column must be a non-empty string, got {column!r}")
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != self.rows:
+            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            raise ValueError(f"log_extra({column!r}, ...): expected one value per row ({self.rows}), got {got}")
+        self.columns[column] = list(values)
 
 
 def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
