@@ -207,3 +207,14 @@ def test_trl_conversational_run(tiny_text_lm, tmp_path, capsys):
     assert all(1 <= n <= 4 for n in first["ids"])
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward_log/completions"] for m in metrics if "reward_log/completions" in m] == [4.0, 4.0]
+
+
+def test_joined_parts_keep_what_each_part_logged():
+    from grouprl.rewards import RewardResult
+    from grouprl.trainer.reward_metrics import join_results
+
+    first = RewardResult({"r": [1.0]}, [1.0], {"r": 1.0}, logged_metrics={"m": [1.0]}, logged_columns={"c": ["a"]})
+    second = RewardResult({"r": [0.0, 0.5]}, [0.0, 0.5], {"r": 1.0}, logged_metrics={"m": [3.0]})
+    joined = join_results([first, second], ["r"], {"r": 1.0})
+    assert joined.logged_metrics == {"m": [1.0, 3.0]} and joined.logged_columns == {"c": ["a", None, None]}
+    assert joined.metrics()["reward_log/m"] == 2.0
