@@ -561,6 +561,7 @@ class GRPOTrainer(TrainingLoop):
         algo = self.config.algorithm
         result = self._reward_scores(batch, allow_unscored=True)
         batch.reward_components = result.components
+        batch.reward_logs = dict(result.logged_columns)
         scores = _fill_unscored(result.total, batch.group_index)
         unscored = torch.tensor([t is None for t in result.total], dtype=torch.bool)
         if unscored.any():
@@ -741,6 +742,7 @@ class GRPOTrainer(TrainingLoop):
                 "truncated": bool(batch.truncated[i]),
                 "edited": bool(batch.edited[i]),
                 **{k: v[i] for k, v in batch.extras.items()},
+                **({"logged": {k: v[i] for k, v in batch.reward_logs.items()}} if batch.reward_logs else {}),
             })
         return records
 

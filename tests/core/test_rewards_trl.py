@@ -169,6 +169,7 @@ def reward_len(completions, trainer_state, completion_ids, solution, record, **k
                                       trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch],
                             "ids": [len(ids) for ids in completion_ids]}) + "\\n")
     kwargs["log_metric"]("completions", float(len(completions)))
+    kwargs["log_extra"]("words", [len(completion[0]["content"].split()) for completion in completions])
     return [-abs(3 - len(completion[0]["content"].split())) for completion in completions]
 '''
 
@@ -207,6 +208,10 @@ def test_trl_conversational_run(tiny_text_lm, tmp_path, capsys):
     assert all(1 <= n <= 4 for n in first["ids"])
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward_log/completions"] for m in metrics if "reward_log/completions" in m] == [4.0, 4.0]
+    # log_extra's column is in the rollouts JSONL, TRL's completions table
+    rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8
+    assert all(r["logged"]["words"] == len(r["response"].split()) for r in rollouts)
 
 
 def test_joined_parts_keep_what_each_part_logged():
@@ -218,3 +223,20 @@ def test_joined_parts_keep_what_each_part_logged():
     joined = join_results([first, second], ["r"], {"r": 1.0})
     assert joined.logged_metrics == {"m": [1.0, 3.0]} and joined.logged_columns == {"c": ["a", None, None]}
     assert joined.metrics()["reward_log/m"] == 2.0
+
+
+def test_logged_columns_follow_rows_through_select_and_concat():
+    import torch
+
+    from grouprl.data.sample import Sample
+    from grouprl.rollout.batch import RolloutBatch
+
+    def batch(rows: int, logs: dict) -> RolloutBatch:
+        return RolloutBatch(samples=[Sample(messages=[])] * rows, group_index=torch.zeros(rows, dtype=torch.long),
+                            prompt_ids=torch.ones(rows, 2, dtype=torch.long), prompt_mask=torch.ones(rows, 2),
+                            response_ids=torch.ones(rows, 3, dtype=torch.long), response_mask=torch.ones(rows, 3),
+                            responses=["r"] * rows, truncated=torch.zeros(rows, dtype=torch.bool), reward_logs=logs)
+
+    joined = RolloutBatch.concat([batch(2, {"a": [1, 2]}), batch(1, {})], pad_token_id=0)
+    assert joined.reward_logs == {"a": [1, 2, None]}
+    assert joined.select([2, 0]).reward_logs == {"a": [None, 1]}
