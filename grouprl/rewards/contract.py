@@ -15,9 +15,9 @@ lists: the dataset's fields (``answer``, ``solution``, ...) plus rollout extras.
 lists); :func:`completion_text` reads either. ``completion_ids`` are each completion's
 token ids, ``trainer_state`` a ``transformers.TrainerState`` (global_step, max_steps,
 epoch; None where the caller has none, e.g. scoring outside a trainer); ``log_metric(name,
-value)`` and ``log_extra(column, values)`` (one value per row) do what TRL's do, the reward set
-collecting what they are given into :attr:`RewardResult.logged_metrics` / ``logged_columns``. A function without
-``**kwargs`` must name every argument it is given. An image reward (the flow trainer's)
+value)`` and ``log_extra(column, values)`` (one value per row) do what TRL's do, the reward
+set collecting what they are given into :attr:`RewardResult.logged_metrics` /
+``logged_columns``. A function without ``**kwargs`` must name every argument it is given. An image reward (the flow trainer's)
 is called positionally::
 
     f(images: list[PIL.Image.Image], prompts: list[str], **metadata) -> list[float | None]
