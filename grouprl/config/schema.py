@@ -30,7 +30,7 @@ def choices(*values: str) -> dict:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    format: str = field(default="auto", metadata=choices("auto", "easyr1", "llava", "swift"))
+    format: str = field(default="auto", metadata=choices("auto", "easyr1", "llava", "swift", "trl"))
     prompt_key: str | None = None
     answer_key: str | None = None
     image_key: str | None = None

@@ -1,6 +1,6 @@
 """The seeds' record formats and how one record becomes the parts of a Sample.
 
-Three formats are read as they are found in the seeds' data:
+Four formats are read as they are found in the seeds' data and TRL's:
 
 - ``easyr1``: ``{"problem": str, "answer": str, "images": [...]}``; the key
   names are configurable (``prompt_key``, ``answer_key``, ``image_key``).
@@ -8,6 +8,16 @@ Three formats are read as they are found in the seeds' data:
   "gpt" | "system", "value": str}, ...]}``.
 - ``swift`` (ms-swift): ``{"messages": [{"role", "content"}], "images": [...],
   "solution": str}``.
+- ``trl``: TRL's prompt datasets, ``{"prompt": str | [messages], "completion": str |
+  [messages]?, "images": [...]? | "image": ...?, ...}``: standard (text) or
+  conversational (``{"role", "content"}`` messages, content a string or parts
+  ``{"type": "text", "text": ...}`` / ``{"type": "image"}``), prompt-only or
+  prompt-completion. The completion (else a string ``answer`` field) is the reference
+  answer; every other field (``solution``, ...) is a column under its own name. Images
+  without a ``{"type": "image"}`` part go before the first user message's text, as
+  TRL puts them. The prompt as written is kept for rewards (``Sample.record_prompt``):
+  they receive it, and for a conversational one each completion as
+  ``[{"role": "assistant", "content": text}]``, as TRL's rewards do.
 
 For conversations, a final ``gpt`` / ``assistant`` turn is the reference answer
 and the turns before it are the prompt (earlier assistant turns stay in the
@@ -24,11 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMATS = ("easyr1", "llava", "swift")
+FORMATS = ("easyr1", "llava", "swift", "trl")
 IMAGE_PLACEHOLDER = "<image>"
 
 _LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _SWIFT_ROLES = ("system", "user", "assistant")
+_TRL_CONSUMED = ("prompt", "completion", "images", "image")
 
 
 class DataError(ValueError):
@@ -59,12 +70,14 @@ class ParsedRecord:
 
     ``images`` pairs each raw image value with the field it came from
     (``"images[1]"``) so that a missing file can be reported by field.
+    ``record_prompt``: a TRL record's prompt in its own form, for rewards (None otherwise).
     """
 
     messages: list[dict[str, Any]]
     images: list[tuple[str, Any]] = field(default_factory=list)
     answer: str | None = None
     columns: dict[str, Any] = field(default_factory=dict)
+    record_prompt: str | list[dict[str, Any]] | None = None
 
 
 def format_signatures(keys: RecordKeys) -> dict[str, tuple[str, ...]]:
@@ -73,6 +86,7 @@ def format_signatures(keys: RecordKeys) -> dict[str, tuple[str, ...]]:
         "easyr1": (keys.prompt, keys.answer, keys.images),
         "llava": ("conversations", "image"),
         "swift": ("messages", "images", "solution"),
+        "trl": ("prompt", "completion", "images"),
     }
 
 
@@ -80,6 +94,9 @@ def detect_format(record: dict[str, Any], keys: RecordKeys, source: str) -> str:
     """The format whose identifying field the record has; an error if none or several do."""
     signatures = format_signatures(keys)
     matches = [name for name, fields in signatures.items() if record.get(fields[0]) is not None]
+    if set(matches) == {"easyr1", "trl"}:
+        # EasyR1's prompt key set to "prompt": a text prompt is EasyR1's, a list of messages TRL's
+        matches = ["trl" if isinstance(record.get("prompt"), list) else "easyr1"]
     if len(matches) == 1:
         return matches[0]
     expected = "; ".join(
@@ -117,12 +134,18 @@ def parse_record(
     elif fmt == "swift":
         parsed = _parse_swift(record, require_answer, format_prompt)
         prompt_field, image_field = "messages", "images"
+    elif fmt == "trl":
+        # TRL's prompt-only datasets have no reference (rewards read their own columns): never required
+        parsed = _parse_trl(record, format_prompt)
+        prompt_field, image_field = "prompt", "images" if record.get("images") is not None else "image"
     else:
         raise DataError(f"unknown record format {fmt!r}; valid formats: auto, {', '.join(FORMATS)}")
     _reconcile_image_slots(parsed, prompt_field, image_field)
     if system_prompt is not None and not any(m["role"] == "system" for m in parsed.messages):
         # A system turn written in the record is more specific than the run's default.
         parsed.messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+        if isinstance(parsed.record_prompt, list):  # rewards see the prompt the policy answered
+            parsed.record_prompt.insert(0, {"role": "system", "content": system_prompt})
     # TRL-style reward functions read the reference as the ``answer`` column.
     parsed.columns["answer"] = parsed.answer
     return parsed
@@ -229,6 +252,119 @@ def _parse_swift(record: dict[str, Any], require_answer: bool,
     _format_last_user_turn(messages, format_prompt)
     columns = _other_fields(record, ("messages", "images", "image"))
     return ParsedRecord(_to_chat(messages, "messages"), images, answer, columns)
+
+
+def _parse_trl(record: dict[str, Any], format_prompt: Callable[[str], str] | None = None) -> ParsedRecord:
+    prompt = record.get("prompt")
+    if isinstance(prompt, str):
+        if format_prompt is not None:
+            prompt = format_prompt(prompt)
+        messages = [{"role": "user", "content": [{"type": "text", "text": prompt}] if prompt else []}]
+        record_prompt: str | list[dict[str, Any]] = prompt
+    elif isinstance(prompt, list) and prompt:
+        record_prompt = [_trl_message(message, f"prompt[{i}]") for i, message in enumerate(prompt)]
+        if format_prompt is not None:
+            _format_trl_user_turn(record_prompt, format_prompt)
+        messages = [{"role": m["role"], "content": _trl_parts(m["content"])} for m in record_prompt]
+        if not any(m["role"] == "user" for m in messages):
+            raise RecordError("prompt", "the prompt has no user message")
+    elif prompt is None:
+        raise RecordError("prompt", f"missing (keys present: {sorted(record)})")
+    else:
+        raise RecordError("prompt", "expected a string (standard) or a non-empty list of messages (conversational), "
+                          f"got {_describe(prompt)}")
+    answer = _trl_completion(record.get("completion"))
+    own = record.get("answer")
+    if own is not None:
+        if not isinstance(own, str):
+            raise RecordError("answer", f"expected a string (the reference answer rewards receive as 'answer'), "
+                              f"got {type(own).__name__}")
+        if answer is not None and own != answer:
+            raise RecordError("answer", "differs from 'completion', which is this record's reference answer "
+                              "(what rewards receive as 'answer'); rename one of them")
+        answer = own
+    if record.get("images") is None and record.get("image") is not None:
+        images = _image_value_or_list(record, "image")  # TRL's single-image column
+    else:
+        images = _image_list(record, "images")
+    columns = _other_fields(record, _TRL_CONSUMED)
+    return ParsedRecord(messages, images, answer, columns, record_prompt=record_prompt)
+
+
+def _trl_message(message: Any, where: str) -> dict[str, Any]:
+    """A TRL message as written (role, content), checked; other keys are dropped."""
+    if not isinstance(message, dict):
+        raise RecordError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _SWIFT_ROLES:
+        raise RecordError(f"{where}.role", f"expected one of {list(_SWIFT_ROLES)}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise RecordError(f"{where}.content", f"expected a string or a list of parts, got {_describe(content)}")
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise RecordError(f"{at}.text", f"expected a string, got {_describe(part.get('text'))}")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            if part.get("image") is not None:
+                raise RecordError(f"{at}.image", "images go in the record's 'images' (or 'image') field; a "
+                                  "{'type': 'image'} part marks where each one goes")
+            parts.append({"type": "image"})
+        else:
+            raise RecordError(at, f"expected a part {{'type': 'text', 'text': ...}} or {{'type': 'image'}}, "
+                              f"got {part!r}")
+    return {"role": role, "content": parts}
+
+
+def _trl_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat content items of a checked TRL message's content (no ``<image>`` splitting: TRL has none)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return [dict(part) for part in content]
+
+
+def _format_trl_user_turn(messages: list[dict[str, Any]], format_prompt: Callable[[str], str]) -> None:
+    """``format_prompt`` on the last user message's text (its last text part)."""
+    for message in reversed(messages):
+        if message["role"] != "user":
+            continue
+        if isinstance(message["content"], str):
+            message["content"] = format_prompt(message["content"])
+            return
+        for part in reversed(message["content"]):
+            if part["type"] == "text":
+                part["text"] = format_prompt(part["text"])
+                return
+        return
+
+
+def _trl_completion(completion: Any) -> str | None:
+    """The reference text of a TRL ``completion``: the string, or its last message's (an assistant's) text."""
+    if completion is None or isinstance(completion, str):
+        return completion
+    if not isinstance(completion, list) or not completion:
+        raise RecordError("completion", "expected a string (standard) or a non-empty list of messages "
+                          f"(conversational), got {_describe(completion)}")
+    last = _trl_message(completion[-1], f"completion[{len(completion) - 1}]")
+    if last["role"] != "assistant":
+        raise RecordError(f"completion[{len(completion) - 1}].role",
+                          f"the completion's last message must be the assistant's, got {last['role']!r}")
+    content = last["content"]
+    if isinstance(content, str):
+        return content
+    if any(part["type"] == "image" for part in content):
+        raise RecordError(f"completion[{len(completion) - 1}].content", "a reference answer cannot hold an image")
+    return "".join(part["text"] for part in content)
+
+
+def _describe(value: Any) -> str:
+    return "an empty list" if value == [] else type(value).__name__
 
 
 def _split_final_answer(

@@ -43,6 +43,7 @@ class _Entry:
     source: str
     index: int
     chat_template_kwargs: dict[str, Any]
+    record_prompt: str | list[dict[str, Any]] | None = None
 
 
 class SampleDataset(Sequence):
@@ -101,6 +102,7 @@ class SampleDataset(Sequence):
             source=entry.source,
             index=entry.index,
             chat_template_kwargs=copy.deepcopy(entry.chat_template_kwargs),
+            record_prompt=copy.deepcopy(entry.record_prompt),
         )
 
     def __repr__(self) -> str:
@@ -129,7 +131,7 @@ def load_samples(
     """Read ``paths`` (one path, a comma-separated string or a list) into a SampleDataset.
 
     ``format`` is ``"auto"`` (detected per file from its first record) or one of
-    ``easyr1``, ``llava``, ``swift``; ``prompt_key`` / ``answer_key`` /
+    ``easyr1``, ``llava``, ``swift``, ``trl``; ``prompt_key`` / ``answer_key`` /
     ``image_key`` rename EasyR1's fields. Relative image paths are taken
     relative to ``image_dir``, or else to the directory holding the data file.
     ``split`` picks the split of a saved DatasetDict. ``max_samples`` stops after
@@ -338,7 +340,8 @@ class _Reader:
             fields.append(field_name)
             refs.append(ref)
         kwargs = self._chat_template_kwargs(parsed.columns.pop("chat_template_kwargs", None), source, index)
-        return _Entry(parsed.messages, fields, refs, parsed.answer, parsed.columns, source, index, kwargs)
+        return _Entry(parsed.messages, fields, refs, parsed.answer, parsed.columns, source, index, kwargs,
+                      parsed.record_prompt)
 
     def _chat_template_kwargs(self, own: Any, source: str, index: int) -> dict[str, Any]:
         """The run's chat template kwargs with the record's own (its ``chat_template_kwargs`` field) over them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ class Sample:
     record came from, for error messages and logs. ``chat_template_kwargs`` are passed to
     the chat template with the messages, on every turn (e.g. ``{"enable_thinking": False}``
     for Qwen3; ``data.chat_template_kwargs``, overridden key by key by the record's own).
+    ``record_prompt`` is a TRL record's prompt as written (a string, or conversational
+    messages), what TRL's reward functions receive (:meth:`reward_prompt`); None for the
+    other formats.
     """
 
     messages: list[dict[str, Any]]
@@ -31,6 +35,7 @@ class Sample:
     source: str = "<memory>"
     index: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    record_prompt: str | list[dict[str, Any]] | None = None
 
     @property
     def id(self) -> str:
@@ -47,3 +52,27 @@ class Sample:
             for item in content:
                 parts.append("<image>" if item["type"] == "image" else item["text"])
         return "".join(parts)
+
+    @property
+    def conversational(self) -> bool:
+        """Whether rewards get this row as TRL's conversational data: its prompt a list of messages."""
+        return isinstance(self.record_prompt, list)
+
+    def reward_prompt(self) -> str | list[dict[str, Any]]:
+        """The prompt as reward functions receive it: :meth:`prompt_text`, or for a TRL record its
+        prompt as TRL passes it (the record's string or messages; with images, every message's
+        content as parts and each ``{"type": "image"}`` part holding its image, as TRL's
+        ``prepare_multimodal_messages`` makes them)."""
+        if self.record_prompt is None:
+            return self.prompt_text()
+        if not self.conversational or not self.images:
+            return copy.deepcopy(self.record_prompt)
+        images = iter(self.images)
+        return [{"role": m["role"], "content": [{**item, "image": next(images)} if item["type"] == "image"
+                                                else dict(item) for item in m["content"]]}
+                for m in self.messages]
+
+    def reward_completion(self, text: str) -> str | list[dict[str, str]]:
+        """A response to this prompt as reward functions receive it: the text, or for conversational
+        data TRL's ``[{"role": "assistant", "content": text}]``."""
+        return [{"role": "assistant", "content": text}] if self.conversational else text

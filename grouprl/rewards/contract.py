@@ -1,22 +1,32 @@
 """The reward contracts, and what scoring with them takes and gives: specs, components, results.
 
-Two contracts, one way of scoring (:mod:`grouprl.rewards.scoring`). A text reward
-(compatible with TRL's reward functions) is a callable::
+Two contracts, one way of scoring (:mod:`grouprl.rewards.scoring`). A text reward is a
+TRL reward function, called as TRL 1.16's ``GRPOTrainer`` calls it: every argument by
+keyword::
 
-    f(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+      log_metric=..., **columns) -> list[float | None]
 
-where ``columns`` are per-row lists: the dataset's fields (``answer``, ...) plus rollout
-extras. An image reward (the flow trainer's) is::
+so ``def f(prompts, completions, **columns)`` (grouprl's own form), ``def f(completions,
+**kwargs)`` and ``def f(completions, solution, **kwargs)`` all work. ``columns`` are per-row
+lists: the dataset's fields (``answer``, ``solution``, ...) plus rollout extras.
+``completions`` are strings, or for a TRL conversational dataset one
+``[{"role": "assistant", "content": text}]`` list per row (and ``prompts`` its message
+lists); :func:`completion_text` reads either. ``completion_ids`` are each completion's
+token ids, ``trainer_state`` a ``transformers.TrainerState`` (global_step, max_steps,
+epoch; None where the caller has none, e.g. scoring outside a trainer); ``log_metric(name,
+value)`` and ``log_extra(column, values)`` (one value per row) do what TRL's do, the reward
+set collecting what they are given into :attr:`RewardResult.logged_metrics` /
+``logged_columns``. A function without ``**kwargs`` must name every argument it is given. An image reward (the flow trainer's)
+is called positionally::
 
     f(images: list[PIL.Image.Image], prompts: list[str], **metadata) -> list[float | None]
 
 where ``metadata`` are per-row lists aligned with the images (the prompt record's other
 fields, e.g. ``text``, the OCR target); images are RGB and shared between the rewards of
-a set, which must not modify them in place.
-
-Both are called with the columns as keyword arguments, so a function must accept
-``**kwargs`` (``**metadata``) for the ones it ignores. ``None`` means "not applicable to
-this row". ``async def`` functions (or any callable returning an awaitable) are allowed.
+a set, which must not modify them in place; it must accept ``**metadata`` for the
+columns it ignores. ``None`` means "not applicable to this row". ``async def`` functions
+(or any callable returning an awaitable) are allowed.
 
 Failures are never turned into a score: an exception, a wrong number of values, a
 non-number or a NaN/inf raises :class:`RewardError` naming the reward (and the row),
@@ -150,9 +160,12 @@ class RewardContract:
     """How one kind of reward function is called: what scoring needs to know beyond the functions.
 
     ``kind`` names the rewards in messages and is their registry's kind; ``inputs`` are
-    the two positional arguments, in order; ``rows`` is the input whose length is the
+    the two first arguments, in order; ``rows`` is the input whose length is the
     batch size; ``columns`` is what the per-row keyword lists are called in messages
-    and ``var_keyword`` the catch-all parameter every reward must have. ``threads``:
+    and ``var_keyword`` the catch-all parameter for the columns a reward ignores.
+    ``by_keyword``: the inputs are passed by keyword together with ``call_arguments``
+    (TRL's convention: a reward names only what it reads); otherwise positionally, and
+    every reward must have ``var_keyword``. ``threads``:
     plain (sync) functions run in worker threads, every reward of a set at once, for
     rewards that are slow and mostly outside the GIL (OCR, a local model); otherwise
     they run in order on the caller's thread, as TRL calls them (rule rewards take
@@ -170,6 +183,8 @@ class RewardContract:
     threads: bool = False
     check_row: Callable[[Any, int], Any] | None = None
     spec: type[RewardSpec] = RewardSpec  # what from_specs coerces config entries to
+    by_keyword: bool = False
+    call_arguments: tuple[str, ...] = ()
 
 
 def rgb_image(image: Any, row: int) -> Any:
@@ -183,8 +198,11 @@ def rgb_image(image: Any, row: int) -> Any:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+# TRL 1.16's GRPOTrainer._calculate_rewards passes these besides the prompts, completions and
+# columns (and ``environments`` with an environment_factory, which grouprl has no counterpart of).
+TRL_CALL_ARGUMENTS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 TEXT = RewardContract("reward", ("prompts", "completions"), rows="completions", columns="column",
-                      var_keyword="**kwargs", registry=REWARDS)
+                      var_keyword="**kwargs", registry=REWARDS, by_keyword=True, call_arguments=TRL_CALL_ARGUMENTS)
 IMAGE = RewardContract("image reward", ("images", "prompts"), rows="images", columns="metadata column",
                        var_keyword="**metadata", registry=IMAGE_REWARDS, threads=True, check_row=rgb_image,
                        spec=ImageRewardSpec)
@@ -214,12 +232,16 @@ class RewardResult:
     ``None`` at row ``i`` (:func:`weighted_total`); ``None`` where no component applies
     (only when the set was asked to allow unscored rows). ``errors``: key -> why, for
     the components that raised under ``on_error: none`` (their rows are None).
+    ``logged_metrics``: name -> the values rewards gave TRL's ``log_metric`` this batch;
+    ``logged_columns``: column -> the per-row values given to ``log_extra`` (the last call wins).
     """
 
     components: dict[str, list[float | None]]
     total: list[float | None]
     weights: dict[str, float]
     errors: dict[str, str] = field(default_factory=dict)
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
+    logged_columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
@@ -230,7 +252,8 @@ class RewardResult:
         Per component: ``rewards/{key}/mean`` and ``rewards/{key}/std`` over the rows where
         it applies, ``rewards/{key}/applicable_frac`` and ``rewards/{key}/failed`` (1.0 when
         it raised this batch under ``on_error: none``); then ``reward/mean`` and
-        ``reward/std`` of the total. Stds are population stds (defined for one row). A
+        ``reward/std`` of the total, and ``reward_log/{name}``, the mean of what rewards
+        gave ``log_metric(name, value)``. Stds are population stds (defined for one row). A
         component that applies to no row of the batch gets no mean/std rather than NaN
         (a trainer logging over several processes needs every key every step: it records
         the same statistics with their counts instead).
@@ -246,6 +269,8 @@ class RewardResult:
         scored = [t for t in self.total if t is not None]
         if scored:
             out["reward/mean"], out["reward/std"] = _mean_std(scored)
+        for name, values in self.logged_metrics.items():
+            out[f"reward_log/{name}"] = sum(values) / len(values)
         return out
 
 
@@ -274,8 +299,9 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def completion_text(completion: Any) -> str:
-    """A completion's text: TRL passes a string, or for conversational data a list of
-    messages whose last one is the reply (its content a string or a list of text parts)."""
+    """A completion's text: a string, or for conversational data (TRL's and grouprl's) a list
+    of messages whose last one is the reply (its content a string or a list of text parts).
+    Built-in rewards read every completion through it, so they take either form."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):

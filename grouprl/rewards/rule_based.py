@@ -14,6 +14,7 @@ from fractions import Fraction
 import threading
 from typing import Any, Sequence
 
+from grouprl.rewards.contract import completion_text
 from grouprl.rewards.registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ def format_reward(
     if style not in FORMAT_STYLES:
         raise ValueError(f"unknown format style {style!r}; choose one of {', '.join(FORMAT_STYLES)}")
     check = {"think_answer": _is_think_answer, "boxed": _has_boxed, "think_boxed": _is_think_boxed}[style]
-    return [1.0 if check(c) else 0.0 for c in completions]
+    return [1.0 if check(completion_text(c)) else 0.0 for c in completions]
 
 
 def _one_each(text: str, *tags: str) -> bool:
@@ -313,7 +314,8 @@ def accuracy_reward(
             f"needs an 'answer' column (the reference answer per row); the batch has columns: "
             f"{', '.join(sorted(kwargs)) or '(none)'}"
         )
-    return [None if gold is None else _score_one(gold, completion) for gold, completion in zip(answer, completions)]
+    return [None if gold is None else _score_one(gold, completion_text(completion))
+            for gold, completion in zip(answer, completions)]
 
 
 def _score_one(gold: Any, completion: str) -> float:
@@ -352,7 +354,7 @@ def length_reward(
         raise ValueError(f"option {name!r} must be a positive integer (words), got {limit!r}")
     out = []
     for completion in completions:
-        n = len(completion.split())
+        n = len(completion_text(completion).split())
         if target is not None:
             penalty = abs(n - limit) / limit
         else:
@@ -391,7 +393,7 @@ def guided_reward(
         if gold is None:
             out.append(None)
             continue
-        normalized = normalize_tags(completion)
+        normalized = normalize_tags(completion_text(completion))
         predicted = last_boxed(normalized)
         accurate = predicted is not None and answers_match(extract_answer(str(gold)), predicted)
         out.append(accuracy_weight * float(accurate) + format_weight * float(has_final_answer(normalized))

@@ -129,8 +129,15 @@ class RewardSet:
         return {c.key: c.weight for c in self.components}
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
+              completion_ids: Sequence[Sequence[int]] | None = None, trainer_state: Any = None,
               allow_unscored: bool = False) -> RewardResult:
         """Score a batch of completions (``columns``: per-row lists passed by keyword).
+
+        Every reward is called as TRL calls it (:mod:`grouprl.rewards.contract`): by keyword,
+        with ``prompts``, ``completions``, ``completion_ids`` (one token-id list per row; None
+        when not given), ``trainer_state`` (None when not given), ``log_extra`` and
+        ``log_metric`` (what rewards give them is in the result's ``logged_columns`` and
+        ``logged_metrics``) and the columns.
 
         Safe to call from inside a running event loop (a notebook, an async server): the
         async rewards then run on a fresh loop in a worker thread, so they must not depend
@@ -140,33 +147,41 @@ class RewardSet:
         total is then None, for the caller to leave the row out (a trainer does, and
         counts it).
         """
-        return self._score((prompts, completions), columns, allow_unscored)
+        call = {"completion_ids": completion_ids, "trainer_state": trainer_state}
+        return self._score((prompts, completions), columns, allow_unscored, call)
 
     async def ascore(self, prompts: Sequence[Any], completions: Sequence[Any], columns: Columns | None = None, *,
+                     completion_ids: Sequence[Sequence[int]] | None = None, trainer_state: Any = None,
                      allow_unscored: bool = False) -> RewardResult:
         """:meth:`score` for async callers: async rewards run on the caller's event loop."""
-        return await self._ascore((prompts, completions), columns, allow_unscored)
+        call = {"completion_ids": completion_ids, "trainer_state": trainer_state}
+        return await self._ascore((prompts, completions), columns, allow_unscored, call)
 
     # ------------------------------------------------------------ the one implementation
 
     def _score(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
-               allow_unscored: bool) -> RewardResult:
-        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
+               allow_unscored: bool, call: Mapping[str, Any] | None = None) -> RewardResult:
+        checked_inputs, checked, arguments, logs = self._check_inputs(inputs, columns, call)
+        n, outcomes, pending = self._start(checked_inputs, checked, arguments)
         if pending:
             for (i, _, _), value in zip(pending, _run_concurrently([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
-        return self._combine(outcomes, n, allow_unscored)
+        return self._combine(outcomes, n, allow_unscored, logs)
 
     async def _ascore(self, inputs: tuple[Sequence[Any], Sequence[Any]], columns: Columns | None,
-                      allow_unscored: bool) -> RewardResult:
-        n, outcomes, pending = self._start(*self._check_inputs(inputs, columns))
+                      allow_unscored: bool, call: Mapping[str, Any] | None = None) -> RewardResult:
+        checked_inputs, checked, arguments, logs = self._check_inputs(inputs, columns, call)
+        n, outcomes, pending = self._start(checked_inputs, checked, arguments)
         if pending:
             for (i, _, _), value in zip(pending, await _gather([_bounded(aw, left, self.timeout) for _, aw, left in pending])):
                 outcomes[i] = value
-        return self._combine(outcomes, n, allow_unscored)
+        return self._combine(outcomes, n, allow_unscored, logs)
 
-    def _check_inputs(self, inputs, columns) -> tuple[list[list[Any]], dict[str, list[Any]]]:
-        """The inputs as lists (the rows input through the contract's row check) and the checked columns."""
+    def _check_inputs(self, inputs, columns, call=None,
+                      ) -> tuple[list[list[Any]], dict[str, list[Any]], dict[str, Any], "_Logs"]:
+        """The inputs as lists (the rows input through the contract's row check), the checked columns,
+        the contract's call arguments (each of ``call_arguments``: the caller's, None where not given,
+        and the log functions of this call) and what those log functions collect."""
         contract = self.contract
         rows_at = contract.inputs.index(contract.rows)
         n = len(inputs[rows_at])
@@ -179,7 +194,7 @@ class RewardSet:
             checked_inputs[rows_at] = [contract.check_row(value, row) for row, value in enumerate(inputs[rows_at])]
         checked: dict[str, list[Any]] = {}
         for name, values in (columns or {}).items():
-            if name in contract.inputs:
+            if name in contract.inputs or name in contract.call_arguments:
                 raise ValueError(f"{contract.columns} {name!r} clashes with the {contract.kind} argument of that name")
             if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
                 raise ValueError(f"{contract.columns} {name!r} must be a per-row list, got {type(values).__name__}")
@@ -194,9 +209,19 @@ class RewardSet:
                     "the column would silently override the option. Rename the column.",
                     reward=comp.key,
                 )
-        return checked_inputs, checked
+        logs = _Logs(n)
+        arguments = {name: (call or {}).get(name) for name in contract.call_arguments}
+        if "log_metric" in arguments:
+            arguments.update(log_metric=logs.log_metric, log_extra=logs.log_extra)
+        ids = arguments.get("completion_ids")
+        if ids is not None:
+            if len(ids) != n:
+                raise ValueError(f"got {len(ids)} completion_ids for {n} {contract.rows}; pass one list of token ids "
+                                 f"per {_singular(contract.rows)}")
+            arguments["completion_ids"] = [list(row) for row in ids]
+        return checked_inputs, checked, arguments, logs
 
-    def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]],
+    def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]], arguments: dict[str, Any],
                ) -> tuple[int, list[Any], list[tuple[int, Awaitable[Any], float | None]]]:
         """Call every reward: the number of rows, the outcomes (values or exceptions) of the rewards
         that ran in this thread, and (index, awaitable, seconds left to it) for the ones still to
@@ -210,6 +235,17 @@ class RewardSet:
             # Fresh list copies: a reward that mutates its inputs must not change what the next one sees.
             args = [list(values) for values in inputs]
             kwargs = {k: list(v) for k, v in columns.items()}
+            if self.contract.by_keyword:
+                # TRL's call: everything by keyword, so a reward names only what it reads
+                ids = arguments.get("completion_ids")
+                kwargs = {**dict(zip(self.contract.inputs, args)), **arguments, **kwargs,
+                          **({"completion_ids": [list(row) for row in ids]} if ids is not None else {})}
+                args = []
+                problem = _call_problem(self.contract, comp, kwargs)
+                if problem is not None:
+                    # the reward cannot take this batch's arguments: a contract error whatever on_error says
+                    _close(aw for _, aw, _ in pending)
+                    raise problem
             if self.contract.threads and not _is_async(comp.fn):
                 pending.append((i, _in_thread(comp.fn, args, kwargs, comp.key, self.timeout), None))
                 continue
@@ -235,7 +271,7 @@ class RewardSet:
                 outcomes[i] = out
         return n, outcomes, pending
 
-    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool) -> RewardResult:
+    def _combine(self, outcomes: list[Any], n: int, allow_unscored: bool, logs: "_Logs") -> RewardResult:
         contract = self.contract
         if not n:
             return RewardResult(components={k: [] for k in self.keys}, total=[], weights=self.weights)
@@ -262,7 +298,8 @@ class RewardSet:
                 "at least one reward must apply to each row (or score with allow_unscored=True)",
                 row=row,
             )
-        return RewardResult(components=components, total=total, weights=self.weights, errors=errors)
+        return RewardResult(components=components, total=total, weights=self.weights, errors=errors,
+                            logged_metrics=logs.metrics, logged_columns=logs.columns)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{c.key}*{c.weight:g}" for c in self.components)
@@ -286,22 +323,75 @@ class ImageRewardSet(RewardSet):
         return await self._ascore((images, prompts), metadata, allow_unscored)
 
 
+class _Logs:
+    """What the rewards of one scoring call give TRL's ``log_metric`` and ``log_extra``.
+
+    Their errors (a name that is not a string, a value that is not a finite number, not one
+    value per row) are raised in the reward's call, so they are reported as the reward's.
+    """
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar for this batch, averaged with the others of its name."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"log_metric: the name must be a non-empty string, got {name!r}")
+        if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__") or not math.isfinite(float(value)):
+            raise ValueError(f"log_metric({name!r}, ...): the value must be a finite number, got {value!r}")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """TRL's ``log_extra``: a column of per-row values logged with the completions."""
+        if not isinstance(column, str) or not column:
+            raise TypeError(f"log_extra: the column must be a non-empty string, got {column!r}")
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != self.rows:
+            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            raise ValueError(f"log_extra({column!r}, ...): expected one value per row ({self.rows}), got {got}")
+        self.columns[column] = list(values)
+
+
 def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
-    """Fail at load, not at the first batch, on functions that break the contract or on mistyped options."""
+    """Fail at load, not at the first batch, on functions that break the contract or on mistyped options.
+
+    A by-keyword (TRL) reward must take its parameters by keyword and, without ``**kwargs``,
+    name every argument it is always given (the inputs and ``call_arguments``); the columns
+    it names are checked against each batch (:func:`_call_problem`). A positional (image)
+    reward must have the contract's ``var_keyword``.
+    """
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return  # some C callables have no signature; their errors surface when called
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    always = (*contract.inputs, *contract.call_arguments)
+    if contract.by_keyword:
+        positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+        if positional_only:
+            raise RewardLoadError(
+                f"{contract.kind} {name!r} takes {', '.join(positional_only)} positionally only; rewards are "
+                f"called by keyword, as TRL calls them ({', '.join(always)} and every {contract.columns})"
+            )
+        named_all = {p.name for p in params}
+        missing = [a for a in always if a not in named_all]
+        if not var_keyword and missing:
+            raise RewardLoadError(
+                f"{contract.kind} {name!r} must accept {contract.var_keyword} or name every argument it is given: "
+                f"it is called by keyword with {', '.join(always)} and every {contract.columns}, as TRL calls it, "
+                f"and has no parameter for {', '.join(missing)}"
+            )
+    elif not var_keyword:
         raise RewardLoadError(
             f"{contract.kind} {name!r} must accept {contract.var_keyword}: it is called with every "
             f"{contract.columns}, including ones it does not use"
         )
     named = {
         p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    } - set(contract.inputs)
+    } - set(always)
     for option in options:
-        if option in contract.inputs:
+        if option in always:
             raise RewardLoadError(f"{contract.kind} {name!r}: {option!r} cannot be an option")
         # An option the function does not name would vanish into **kwargs: a typo would be ignored.
         if option not in named:
@@ -309,6 +399,38 @@ def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any]
                 f"{contract.kind} {name!r} has no option {option!r}; its named parameters are: "
                 f"{', '.join(sorted(named)) or '(none)'}"
             )
+
+
+def _call_problem(contract: RewardContract, comp: RewardComponent, kwargs: Mapping[str, Any]) -> RewardError | None:
+    """Why ``comp`` cannot be called with these keyword arguments (a column it does not accept, a
+    parameter nothing fills), as an error naming the reward and where it is defined; else None.
+
+    Python would raise a TypeError too, but one pointing at grouprl's call rather than the
+    reward, and without the names the batch does pass."""
+    try:
+        params = inspect.signature(comp.fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = {p.name for p in params}
+    unexpected = [] if var_keyword else sorted(set(kwargs) - names)
+    missing = [p.name for p in params
+               if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+               and p.default is inspect.Parameter.empty and p.name not in kwargs]
+    if not unexpected and not missing:
+        return None
+    columns = sorted(set(kwargs) - set(contract.inputs) - set(contract.call_arguments))
+    problems = []
+    if missing:
+        problems.append(f"nothing is passed for its parameter(s) {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"it has no {contract.var_keyword} and no parameter for {', '.join(unexpected)}")
+    return RewardError(
+        f"{contract.kind} {comp.key!r} cannot be called with this batch: {'; '.join(problems)}. Rewards are called "
+        f"by keyword, as TRL calls them, with {', '.join((*contract.inputs, *contract.call_arguments))} and the "
+        f"{contract.columns}s {', '.join(columns) or '(none)'}{_defined_at(comp.fn)}",
+        reward=comp.key,
+    )
 
 
 def _wrap(contract: RewardContract, key: str, exc: BaseException, n: int,

@@ -59,6 +59,8 @@ class RolloutBatch:
     token_weights: torch.Tensor | None = None
     edited: torch.Tensor | None = None  # [B] bool, set by rollout transforms
     extras: dict[str, list[Any]] = field(default_factory=dict)  # per-row values passed to rewards as columns
+    # per-row values reward functions logged with TRL's log_extra(column, values), for the rollouts JSONL
+    reward_logs: dict[str, list[Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy_mask is None:
@@ -100,6 +102,7 @@ class RolloutBatch:
             token_weights=take(self.token_weights),
             edited=take(self.edited),
             extras={k: [v[i] for i in keep] for k, v in self.extras.items()},
+            reward_logs={k: [v[i] for i in keep] for k, v in self.reward_logs.items()},
         )
 
     @classmethod
@@ -170,4 +173,7 @@ class RolloutBatch:
             token_weights=optional("token_weights", lambda t: right(t, r_width, 0)),
             edited=optional("edited", lambda t: t),
             extras=per_row("extras"),
+            # a reward may log a column for some parts only: None on the other parts' rows
+            reward_logs={k: [v for b in batches for v in b.reward_logs.get(k, [None] * len(b))]
+                         for k in dict.fromkeys(k for b in batches for k in b.reward_logs)},
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -63,6 +64,15 @@ def build_rewards(config: Config):
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
                           "or 'worker.reward.reward_server'")
     return rewards
+
+
+def reward_inputs(batch: RolloutBatch) -> tuple[list, list, list[list[int]]]:
+    """Each row's prompt, completion and completion token ids as reward functions receive them:
+    strings, or for a TRL conversational dataset TRL's message lists (``Sample.reward_prompt``)."""
+    lengths = batch.response_mask.sum(-1).tolist()
+    return ([s.reward_prompt() for s in batch.samples],
+            [s.reward_completion(text) for s, text in zip(batch.samples, batch.responses)],
+            [batch.response_ids[row, :int(n)].tolist() for row, n in enumerate(lengths)])
 
 
 def reward_columns(batch: RolloutBatch) -> dict[str, list]:
@@ -529,12 +539,29 @@ class GRPOTrainer(TrainingLoop):
             transformed.append((t, dict(getattr(t, "last_metrics", {}))))
         return batch, transformed
 
+    def _reward_scores(self, batch: RolloutBatch, *, allow_unscored: bool = False):
+        """The reward set on ``batch``, called as TRL's GRPOTrainer calls reward functions."""
+        prompts, completions, completion_ids = reward_inputs(batch)
+        return self.rewards.score(prompts, completions, reward_columns(batch), completion_ids=completion_ids,
+                                  trainer_state=self._reward_trainer_state(), allow_unscored=allow_unscored)
+
+    def _reward_trainer_state(self):
+        """The run's position as TRL's rewards read it: a ``transformers.TrainerState`` whose
+        ``global_step`` counts the steps done (0 while the first is scored, as in TRL), with
+        ``max_steps`` and a fractional ``epoch``. A fresh copy per call: rewards cannot change the run."""
+        from transformers import TrainerState
+
+        per_epoch = max(1, self.stream.batches_per_epoch)
+        return TrainerState(global_step=self.state.global_step, max_steps=self.total_steps,
+                            epoch=self.state.epoch + self.state.batch_in_epoch / per_epoch,
+                            num_train_epochs=math.ceil(self.total_steps / per_epoch))
+
     def _score(self, batch: RolloutBatch):
         """Rewards, overlong shaping and truncation masking, in place; returns the RewardResult."""
         algo = self.config.algorithm
-        result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses, reward_columns(batch),
-                                    allow_unscored=True)
+        result = self._reward_scores(batch, allow_unscored=True)
         batch.reward_components = result.components
+        batch.reward_logs = dict(result.logged_columns)
         scores = _fill_unscored(result.total, batch.group_index)
         unscored = torch.tensor([t is None for t in result.total], dtype=torch.bool)
         if unscored.any():
@@ -683,7 +710,7 @@ class GRPOTrainer(TrainingLoop):
         prompts = [batch.samples[r] for r in first_row.values()]
         params = replace(self._sampling(self.state.global_step), n=1, temperature=0.0)
         greedy = self.engine.generate(prompts, params)
-        result = self.rewards.score([s.prompt_text() for s in greedy.samples], greedy.responses, reward_columns(greedy))
+        result = self._reward_scores(greedy)
         by_group = dict(zip(first_row, result.total))
         return torch.tensor([by_group[g] for g in batch.group_index.tolist()], dtype=torch.float32)
 
@@ -715,6 +742,7 @@ class GRPOTrainer(TrainingLoop):
                 "truncated": bool(batch.truncated[i]),
                 "edited": bool(batch.edited[i]),
                 **{k: v[i] for k, v in batch.extras.items()},
+                **({"logged": {k: v[i] for k, v in batch.reward_logs.items()}} if batch.reward_logs else {}),
             })
         return records
 
@@ -767,8 +795,7 @@ class GRPOTrainer(TrainingLoop):
             else:
                 batch = self.engine.generate(samples, params)
             mark("reward")
-            result = self.rewards.score([s.prompt_text() for s in batch.samples], batch.responses,
-                                        reward_columns(batch), allow_unscored=True)
+            result = self._reward_scores(batch, allow_unscored=True)
             results.append(result)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))

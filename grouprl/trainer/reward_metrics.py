@@ -4,7 +4,9 @@ From a ``grouprl.rewards.RewardResult`` (per-row component values, ``None`` wher
 does not apply, and the weighted total): ``rewards/{key}/mean`` and ``/std`` over the rows where
 the component applies, ``rewards/{key}/applicable_frac``, and ``reward/mean`` / ``reward/std`` of
 the weighted total, and ``reward/unscored_steps``: 1 for a step in which no row on any process got a
-score, else 0 (the column summed over a run counts such steps). Every key is declared on every
+score, else 0 (the column summed over a run counts such steps); ``reward_log/{name}``, the mean
+of the values reward functions gave TRL's ``log_metric(name, value)`` (a reward must log the same
+names on every process, as every metric is reduced over all of them). Every key is declared on every
 process, whether or not a component applied to any of its rows, because the processes reduce the
 same keys together (``trainer.metrics``).
 """
@@ -33,14 +35,24 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
         metrics.moments(f"{prefix}rewards/{key}", values)
         metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
     metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
+    for name, values in result.logged_metrics.items():
+        metrics.mean(f"{prefix}reward_log/{name}", sum(values) / len(values), len(values))
     # a "min" over every batch part and process: 1 only if not one row anywhere was scored
     metrics.min(f"{prefix}{UNSCORED_STEPS}", float(all(t is None for t in result.total)))
 
 
 def join_results(results: Sequence[RewardResult], keys: Sequence[str], weights: Mapping[str, float]) -> RewardResult:
-    """The results of consecutive parts of a batch (micro-batches) as one result over all its rows, in order."""
+    """The results of consecutive parts of a batch (micro-batches) as one result over all its rows, in order
+    (a ``log_extra`` column one part has not logged is None on that part's rows)."""
+    logged: dict[str, list[float]] = {}
+    for r in results:
+        for name, values in r.logged_metrics.items():
+            logged.setdefault(name, []).extend(values)
+    names = list(dict.fromkeys(name for r in results for name in r.logged_columns))
+    columns = {name: [v for r in results for v in r.logged_columns.get(name, [None] * len(r.total))] for name in names}
     return RewardResult(components={k: [v for r in results for v in r.components[k]] for k in keys},
-                        total=[t for r in results for t in r.total], weights=dict(weights))
+                        total=[t for r in results for t in r.total], weights=dict(weights),
+                        logged_metrics=logged, logged_columns=columns)
 
 
 class UnscoredSteps:

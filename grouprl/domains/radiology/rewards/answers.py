@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from grouprl.rewards.contract import completion_text
 from grouprl.rewards.registry import register_reward
 from grouprl.rewards.rule_based import extract_boxed as _last_boxed
 
@@ -142,7 +143,7 @@ def answer_set_f1_reward(
     if len(answer) != len(completions):
         raise ValueError(f"got {len(answer)} answers for {len(completions)} completions")
     out: list[float | None] = []
-    for gold, completion in zip(answer, completions):
+    for gold, completion in zip(answer, map(completion_text, completions)):
         if gold is None:
             out.append(None)
         elif not _ANSWER_SPAN.search(completion):
