@@ -19,6 +19,7 @@ import os
 import sys
 
 from grouprl.cli import Command, Demo, UsageError
+from grouprl.data.formats import FORMATS
 
 
 # ----------------------------------------------------------------------------- generate
@@ -54,7 +55,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:i]")
     p.add_argument("--max-samples", type=int, help="only the first N samples")
     p.add_argument("--max-prompt-length", type=int, help="fail on (or truncate) longer prompts")
-    p.add_argument("--format", default="auto", choices=["auto", "easyr1", "llava", "swift"])
+    p.add_argument("--format", default="auto", choices=["auto", *FORMATS])
     p.add_argument("--image-dir", help="base directory of relative image paths")
     p.add_argument("--system-prompt", help="system prompt added to every sample")
     p.add_argument("--id-key", default="id", help="record field written as each output's 'id' (default id)")
