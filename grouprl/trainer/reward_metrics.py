@@ -3,8 +3,9 @@
 From a ``grouprl.rewards.RewardResult`` (per-row component values, ``None`` where a component
 does not apply, and the weighted total): ``rewards/{key}/mean`` and ``/std`` over the rows where
 the component applies, ``rewards/{key}/applicable_frac``, and ``reward/mean`` / ``reward/std`` of
-the weighted total, and ``reward/unscored_steps``: 1 for a step in which no row on any process got a
-score, else 0 (the column summed over a run counts such steps). Every key is declared on every
+the weighted total, ``rewards/{key}/{part}/mean`` and ``/std`` of the parts a reward reports
+beside its score (an EasyR1 reward's ``format``, ``accuracy``), and ``reward/unscored_steps``: 1
+for a step in which no row on any process got a score, else 0 (the column summed over a run counts such steps). Every key is declared on every
 process, whether or not a component applied to any of its rows, because the processes reduce the
 same keys together (``trainer.metrics``).
 """
@@ -32,6 +33,9 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
         values = [v for v in result.components.get(key, []) if v is not None]
         metrics.moments(f"{prefix}rewards/{key}", values)
         metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
+        # the parts an EasyR1 reward reports beside its overall score (format, accuracy, ...)
+        for part, part_values in result.parts.get(key, {}).items():
+            metrics.moments(f"{prefix}rewards/{key}/{part}", [v for v in part_values if v is not None])
     metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
     # a "min" over every batch part and process: 1 only if not one row anywhere was scored
     metrics.min(f"{prefix}{UNSCORED_STEPS}", float(all(t is None for t in result.total)))
@@ -39,8 +43,14 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
 
 def join_results(results: Sequence[RewardResult], keys: Sequence[str], weights: Mapping[str, float]) -> RewardResult:
     """The results of consecutive parts of a batch (micro-batches) as one result over all its rows, in order."""
+    parts: dict[str, dict[str, list]] = {}
+    for k in keys:
+        names = list(dict.fromkeys(p for r in results for p in r.parts.get(k, {})))
+        if names:  # a part a micro-batch did not report is None on its rows
+            parts[k] = {p: [v for r in results for v in r.parts.get(k, {}).get(p, [None] * len(r.total))]
+                        for p in names}
     return RewardResult(components={k: [v for r in results for v in r.components[k]] for k in keys},
-                        total=[t for r in results for t in r.total], weights=dict(weights))
+                        total=[t for r in results for t in r.total], weights=dict(weights), parts=parts)
 
 
 class UnscoredSteps:

@@ -81,9 +81,12 @@ def test_easyr1_before_0_3_loads_once_its_builtin_scorer_and_entropy_bonus_are_r
     assert cfg.trainer.total_epochs == 15  # total_episodes
     # the KL loss's own coefficient wins over the in-reward algorithm.kl_coef: 0.0 of that version
     assert cfg.algorithm.use_kl_loss and cfg.algorithm.kl_coef == 1e-2 and cfg.algorithm.kl_penalty == "low_var_kl"
+    # reward_type: function (one response a call, that version's only kind) is a key grouprl reads
+    assert cfg.worker.reward.reward_type == "function"
     notes = _notes(EASYR1_V02, ["worker.actor.entropy_coeff=0", "worker.reward.compute_score=null"])
-    assert {"worker.actor.ulysses_sequence_parallel_size", "worker.reward.reward_type", "trainer.total_episodes",
+    assert {"worker.actor.ulysses_sequence_parallel_size", "trainer.total_episodes",
             "trainer.remove_previous_ckpt"} <= _noted_keys(notes)
+    assert "worker.reward.reward_type" not in _noted_keys(notes)
 
 
 @pytest.mark.parametrize("override, needle", [
