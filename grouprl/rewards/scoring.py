@@ -391,7 +391,11 @@ def _raised_at(exc: BaseException, fn: Any) -> str:
 
     code = _function_code(fn)
     own = [f for f in frames if code is not None and f.filename == code.co_filename]
-    frame = next((f for f in reversed(frames) if authors(f)), None) or (own[-1] if own else frames[-1])
+    frame = next((f for f in reversed(frames) if authors(f)), None) or (own[-1] if own else None)
+    if frame is None and code is not None:
+        # raised by grouprl around the function (an adapter's check of what it returned): name the function
+        return _defined_at(fn)
+    frame = frame or frames[-1]
     line = f": {frame.line.strip()}" if frame.line and frame.line.strip() else ""
     return f"; at {frame.filename}:{frame.lineno} in {frame.name}{line}"
 
