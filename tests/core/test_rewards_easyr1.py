@@ -58,7 +58,8 @@ REWARD_NAME = "r1v"
 REWARD_TYPE = "sequential"
 
 
-def compute_score(reward_input: dict[str, Any], format_weight: float = 0.5) -> dict[str, float]:
+# unannotated: only the file's REWARD_TYPE says sequential (EasyR1's default is batch)
+def compute_score(reward_input, format_weight=0.5):
     response = reward_input["response"]
     format_score = 1.0 if re.fullmatch(r"<think>.*?</think>\\s*<answer>.*?</answer>", response, re.DOTALL) else 0.0
     found = re.search(r"<answer>(.*?)</answer>", response)
