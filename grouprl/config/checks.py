@@ -98,6 +98,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:
         raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
+    if config.worker.reward.reward_type is not None and not config.worker.reward.reward_function:
+        raise ConfigError(f"config key 'worker.reward.reward_type' ({config.worker.reward.reward_type}) says how "
+                          "'worker.reward.reward_function' is called, and that key is not set (the functions of "
+                          "'worker.reward.functions' are told apart by their signature and file)")
     _check_mean_filter(config)
     if config.worker.reward.timeout is not None and not config.worker.reward.timeout > 0:
         raise ConfigError(f"config key 'worker.reward.timeout' must be seconds > 0 or null (no limit); "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grouprl.config import config_from_dict
+from grouprl.config import ConfigError, config_from_dict, load_config
 from grouprl.rewards import RewardError, RewardLoadError, RewardSet
 from grouprl.rewards.easyr1 import EasyR1Reward
 from grouprl.trainer.grpo import build_rewards
@@ -206,6 +206,14 @@ def test_a_function_that_fits_no_contract_is_a_load_error_naming_it_and_the_key(
         build_rewards(reward_config(ref, reward_type=reward_type))
     msg = str(exc.value)
     assert needle in msg and function in msg and "worker.reward.reward_function" in msg and "\n" not in msg
+
+
+def test_reward_type_without_reward_function_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"'worker\.reward\.reward_type' \(batch\) says how "
+                                          r"'worker\.reward\.reward_function' is called"):
+        load_config(None, ["worker.reward.reward_type=batch", "worker.reward.functions=[{name: accuracy}]"])
+    with pytest.raises(ConfigError, match="accepts one of batch, sequential, function"):
+        load_config(None, ["worker.reward.reward_type=batched", "worker.reward.reward_function=m.py:f"])
 
 
 def test_an_option_the_function_does_not_take_is_a_load_error(tmp_path):
