@@ -133,10 +133,9 @@ def _check_mean_filter(config: Config) -> None:
         raise ConfigError("config key 'algorithm.filter_key' is empty; name a reward component (e.g. overall)")
     if not algo.online_filtering:
         return  # EasyR1's example config sets all three with filtering off: nothing reads them
-    from grouprl.rewards.contract import reward_keys
-
     names = [reward.reward_function.strip()] if reward.reward_function else [f.name.strip() for f in reward.functions]
-    known = ["overall", *reward_keys(names)]
+    # the keys a reward set gives them (grouprl.rewards.contract.reward_keys, a layer below config)
+    known = ["overall", *(f"{n}@{i}" if names.count(n) > 1 else n for i, n in enumerate(names))]
     if reward.reward_server:
         known.append("reward_server")
     if algo.overlong_buffer.enable:

@@ -105,7 +105,7 @@ class AlgorithmConfig:
     # filter_low < mean over the group of filter_key < filter_high (strict; unset ones take
     # EasyR1's defaults overall, 0.01, 0.99). filter_key: overall (the trained reward), a reward
     # component's key, or a part of an EasyR1 reward's score (accuracy, or <key>/accuracy).
-    # filter_min_std then applies too only when > 0 (see grouprl.algorithms.filtering).
+    # filter_min_std then applies too only when > 0 (a group must pass both rules).
     filter_key: str | None = None
     filter_low: float | None = None
     filter_high: float | None = None

@@ -73,7 +73,8 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
     columns = {k: [s.columns.get(k) for s in batch.samples] for k in sorted(keys)}
     columns["answer"] = [s.answer for s in batch.samples]
     # each response's token ids (TRL's column; an EasyR1 reward reads its length as response_length)
-    columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(batch.response_ids, batch.response_mask)]
+    columns["completion_ids"] = [ids[mask.bool()].tolist()
+                                 for ids, mask in zip(batch.response_ids, batch.response_mask)]
     columns.update(batch.extras)
     return columns
 

@@ -5,9 +5,9 @@ does not apply, and the weighted total): ``rewards/{key}/mean`` and ``/std`` ove
 the component applies, ``rewards/{key}/applicable_frac``, and ``reward/mean`` / ``reward/std`` of
 the weighted total, ``rewards/{key}/{part}/mean`` and ``/std`` of the parts a reward reports
 beside its score (an EasyR1 reward's ``format``, ``accuracy``), and ``reward/unscored_steps``: 1
-for a step in which no row on any process got a score, else 0 (the column summed over a run counts such steps). Every key is declared on every
-process, whether or not a component applied to any of its rows, because the processes reduce the
-same keys together (``trainer.metrics``).
+for a step in which no row on any process got a score, else 0 (the column summed over a run counts
+such steps). Every key is declared on every process, whether or not a component applied to any of
+its rows, because the processes reduce the same keys together (``trainer.metrics``).
 """
 
 from __future__ import annotations
