@@ -463,7 +463,8 @@ class GRPOTrainer(TrainingLoop):
         that every async mode samples the same responses; transforms and rewards take each
         micro-batch as it comes (async modes) or the whole round (sync), see ``RoundScoring``.
         Without dynamic sampling a step is one round. With it (DAPO,
-        ``algorithm.online_filtering``) only groups whose rewards differ are kept, and rounds
+        ``algorithm.online_filtering``) only groups whose rewards differ are kept (or, with
+        EasyR1's keys, those whose mean ``filter_key`` lies between its bounds), and rounds
         of new prompts are drawn until every process has its share of groups (or the extra
         rounds run out); then every process keeps the same number of groups, the fewest any
         process found, so all take the same number of optimizer steps. Groups found beyond

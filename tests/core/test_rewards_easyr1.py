@@ -185,6 +185,16 @@ def test_older_easyr1_contracts(tmp_path, function, reward_type, expected, parts
     assert result.parts.get(ref, {}) == parts
 
 
+def test_an_easyr1_file_among_worker_reward_functions_is_one_weighted_component(tmp_path):
+    ref = write(tmp_path, "r1v.py", R1V) + ":compute_score"
+    cfg = config_from_dict({"worker": {"reward": {"functions": [
+        {"name": "accuracy"}, {"name": ref, "weight": 0.5, "kwargs": {"format_weight": 0.0}}]}}})
+    result = score(build_rewards(cfg), ["<answer>7</answer>", "<answer>8</answer>"], ["7", "7"])
+    # overall (accuracy alone at format_weight 0) weighs 0.5; its parts never enter the total
+    assert result.components[ref] == [1.0, 0.0] and result.total == [1.5, 0.0]
+    assert set(result.parts) == {ref} and result.parts[ref]["format"] == [0.0, 0.0]
+
+
 def test_grouprl_functions_under_reward_function_keep_working(tmp_path):
     ref = write(tmp_path, "broken.py", BROKEN) + ":grouprl_style"
     rewards = build_rewards(reward_config(ref))
