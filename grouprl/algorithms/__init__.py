@@ -31,7 +31,13 @@ from grouprl.algorithms.advantages import (
     register_advantage_estimator,
 )
 from grouprl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, register_loss_agg_mode
-from grouprl.algorithms.filtering import filter_groups, mask_truncated, overlong_penalty, reward_std_per_group
+from grouprl.algorithms.filtering import (
+    filter_groups,
+    filter_groups_by_mean,
+    mask_truncated,
+    overlong_penalty,
+    reward_std_per_group,
+)
 from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from grouprl.algorithms.policy_losses import (
     POLICY_LOSSES,
@@ -60,6 +66,7 @@ __all__ = [
     "compute_policy_loss",
     "dense_group_index",
     "filter_groups",
+    "filter_groups_by_mean",
     "group_statistics",
     "kl_penalty",
     "mask_truncated",

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.algorithms.advantages import group_statistics
+from grouprl.algorithms.advantages import dense_group_index, group_statistics
 
 
 def reward_std_per_group(scores: Tensor, group_index: Any) -> Tensor:
@@ -31,6 +31,30 @@ def filter_groups(scores: Tensor, group_index: Any, *, min_std: float = 0.0) -> 
     rounding residue nor float32 rounding of a std near ``min_std`` decides the outcome.
     """
     return group_statistics(scores, group_index, dtype=torch.float64)[1] > min_std
+
+
+def filter_groups_by_mean(values: Tensor, group_index: Any, *, low: float, high: float) -> Tensor:
+    """Rows to keep, BoolTensor [B]: keep_i = ``low`` < m_g(i) < ``high`` (EasyR1's online filtering).
+
+    m_g = sum_{j in g, v_j defined} v_j / #{j in g : v_j defined}: the mean of group g's values,
+    NaN marking a row the value does not apply to; a group with no defined value has no mean
+    and is dropped. Both bounds are strict, as in EasyR1, whose defaults (0.01, 0.99) drop the
+    groups of a {0, 1} reward that are all wrong or all right. ``values`` is any per-row
+    quantity (the overall reward, one component, one part of an EasyR1 score); computed in
+    float64. Group ids: any kind ``dense_group_index`` accepts.
+    """
+    if not low < high:
+        raise ValueError(f"need low < high; got low={low}, high={high}")
+    v = values.detach().to(torch.float64)
+    dense = dense_group_index(group_index, v.shape[0], device=v.device)
+    if not v.numel():
+        return torch.zeros(0, dtype=torch.bool, device=v.device)
+    defined = ~torch.isnan(v)
+    groups = int(dense.max()) + 1
+    sums = torch.zeros(groups, dtype=torch.float64, device=v.device).index_add_(0, dense, torch.where(defined, v, 0.0))
+    counts = torch.zeros(groups, dtype=torch.float64, device=v.device).index_add_(0, dense, defined.to(torch.float64))
+    mean = (sums / counts)[dense]  # NaN for a group with no defined value: both comparisons are False
+    return (mean > low) & (mean < high)
 
 
 def overlong_penalty(

@@ -98,6 +98,11 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:
         raise ConfigError("set either 'worker.reward.functions' or 'worker.reward.reward_function', not both")
+    if config.worker.reward.reward_type is not None and not config.worker.reward.reward_function:
+        raise ConfigError(f"config key 'worker.reward.reward_type' ({config.worker.reward.reward_type}) says how "
+                          "'worker.reward.reward_function' is called, and that key is not set (the functions of "
+                          "'worker.reward.functions' are told apart by their signature and file)")
+    _check_mean_filter(config)
     if config.worker.reward.timeout is not None and not config.worker.reward.timeout > 0:
         raise ConfigError(f"config key 'worker.reward.timeout' must be seconds > 0 or null (no limit); "
                           f"got {config.worker.reward.timeout}")
@@ -110,3 +115,34 @@ def validate(config: Config) -> None:
     for name in config.trainer.logger:
         if name not in allowed_loggers:
             raise ConfigError(f"config key 'trainer.logger' accepts {', '.join(sorted(allowed_loggers))}; got {name!r}")
+
+
+def _check_mean_filter(config: Config) -> None:
+    """EasyR1's online filtering keys: filter_low < filter_high, and filter_key names a reward component
+    (or may name a part of a user reward's score: those parts are known once it has scored, and the
+    trainer checks them then)."""
+    algo, reward = config.algorithm, config.worker.reward
+    rule = algo.mean_filter
+    if rule is None:
+        return
+    key, low, high = rule
+    if not low < high:
+        raise ConfigError(f"config keys 'algorithm.filter_low' ({low}) and 'algorithm.filter_high' ({high}): "
+                          "online filtering keeps groups whose mean lies strictly between them; need low < high")
+    if not key.strip():
+        raise ConfigError("config key 'algorithm.filter_key' is empty; name a reward component (e.g. overall)")
+    if not algo.online_filtering:
+        return  # EasyR1's example config sets all three with filtering off: nothing reads them
+    names = [reward.reward_function.strip()] if reward.reward_function else [f.name.strip() for f in reward.functions]
+    # the keys a reward set gives them (grouprl.rewards.contract.reward_keys, a layer below config)
+    known = ["overall", *(f"{n}@{i}" if names.count(n) > 1 else n for i, n in enumerate(names))]
+    if reward.reward_server:
+        known.append("reward_server")
+    if algo.overlong_buffer.enable:
+        known.append("overlong")
+    # a function from a file or module may be an EasyR1 reward, whose score has parts (format, accuracy)
+    user_functions = reward.reward_type is not None or any(":" in n or n.endswith(".py") for n in names)
+    if key not in known and not user_functions:
+        raise ConfigError(f"config key 'algorithm.filter_key': {key!r} names no reward component; the run's "
+                          f"components are {', '.join(known)} (parts such as accuracy come from an EasyR1 "
+                          "reward function's scores)")

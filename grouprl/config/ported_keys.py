@@ -202,15 +202,6 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
           quiet_when=lambda v: v == "fixed"),
     _note("algorithm.kl_horizon", "adaptive KL controller", "unused (a fixed KL coefficient)"),
     _note("algorithm.kl_target", "adaptive KL controller", "unused (a fixed KL coefficient)"),
-    # EasyR1 keeps a group when filter_low < mean(filter_key) < filter_high; for rewards in {0, 1} that
-    # is grouprl's rule (drop groups of equal rewards). Noted, not refused, when filtering is off.
-    _note("algorithm.filter_key", "reward component whose group mean online filtering reads",
-          "grouprl filters on the overall reward's group std (algorithm.filter_min_std)",
-          quiet_when=lambda v: v == "overall"),
-    _note("algorithm.filter_low", "online filtering keeps groups whose mean is above this",
-          "grouprl drops groups whose reward std <= algorithm.filter_min_std (all-equal groups by default)"),
-    _note("algorithm.filter_high", "online filtering keeps groups whose mean is below this",
-          "grouprl drops groups whose reward std <= algorithm.filter_min_std (all-equal groups by default)"),
     # ---------------------------------------------------------------- worker.actor
     _note("worker.actor.use_torch_compile", "torch.compile of the actor", "grouprl runs the actor eagerly"),
     # Sequence parallelism splits each sequence over GPUs; without it the micro-batch sizes the user
@@ -281,8 +272,6 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
           "grouprl's rewards read responses decoded without special tokens"),
     _note("worker.reward.num_cpus", "Ray CPUs per reward worker", "grouprl scores in the training processes "
           "(worker.reward.timeout bounds a call)"),
-    _note("worker.reward.reward_type", "function (the only kind) or batch (EasyR1 < 0.3 / 0.4)",
-          "grouprl calls worker.reward.reward_function (or worker.reward.functions)"),
     _map("worker.reward.score_function", "path/to/file.py:function scoring a response (EasyR1 0.3), or a "
          "built-in scorer's name (math, r1v; EasyR1 0.2)", "worker.reward.reward_function",
          lambda v, _: {"worker.reward.reward_function": v}, refuse=lambda v, _: _builtin_scorer(v)),

@@ -101,10 +101,28 @@ class AlgorithmConfig:
     online_filtering: bool = False
     filter_min_std: float = 0.0
     max_filter_rounds: int = 3
+    # EasyR1's rule instead, when any of these three is set: keep a group when
+    # filter_low < mean over the group of filter_key < filter_high (strict; unset ones take
+    # EasyR1's defaults overall, 0.01, 0.99). filter_key: overall (the trained reward), a reward
+    # component's key, or a part of an EasyR1 reward's score (accuracy, or <key>/accuracy).
+    # filter_min_std then applies too only when > 0 (a group must pass both rules).
+    filter_key: str | None = None
+    filter_low: float | None = None
+    filter_high: float | None = None
     overlong_buffer: OverlongConfig = field(default_factory=OverlongConfig)
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    @property
+    def mean_filter(self) -> tuple[str, float, float] | None:
+        """EasyR1's rule (filter_key, filter_low, filter_high) with its defaults filled in, or None
+        when none of the three is set (grouprl's std rule, filter_min_std)."""
+        if self.filter_key is None and self.filter_low is None and self.filter_high is None:
+            return None
+        return (self.filter_key if self.filter_key is not None else "overall",
+                self.filter_low if self.filter_low is not None else 0.01,
+                self.filter_high if self.filter_high is not None else 0.99)
 
     @property
     def std_level(self) -> str:
@@ -448,6 +466,11 @@ class RewardConfig:
     # EasyR1's single-function form, `path/to/file.py:function`.
     reward_function: str | None = None
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How reward_function is called (EasyR1's key): batch, compute_score(list of input dicts) -> list
+    # of score dicts; sequential (function: its older name), one dict (or response, ground truth) in,
+    # one score dict out. None: EasyR1's file's REWARD_TYPE or the signature decides, and a function
+    # f(prompts, completions, **kwargs) is grouprl's contract (grouprl.rewards.easyr1).
+    reward_type: str | None = field(default=None, metadata=choices("batch", "sequential", "function"))
     # A reward server's URL (EditGRPO's protocol, `grouprl serve rewards`), scored by the client a
     # plugin registers as "reward_server" (grouprl.rewards.registry.REWARD_SERVER_CLIENTS); its
     # composite is one more weighted component. The keys below are passed on to that client.

@@ -234,6 +234,9 @@ class RewardResult:
     the components that raised under ``on_error: none`` (their rows are None).
     ``logged_metrics``: name -> the values rewards gave TRL's ``log_metric`` this batch;
     ``logged_columns``: column -> the per-row values given to ``log_extra`` (the last call wins).
+    ``parts``: key -> part -> per-row values, for components whose reward reports parts of
+    its score beside it (an EasyR1 reward's ``format``, ``accuracy``, ...); logged, never in
+    ``total``.
     """
 
     components: dict[str, list[float | None]]
@@ -242,6 +245,7 @@ class RewardResult:
     errors: dict[str, str] = field(default_factory=dict)
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
     logged_columns: dict[str, list[Any]] = field(default_factory=dict)
+    parts: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.total)
@@ -251,7 +255,8 @@ class RewardResult:
 
         Per component: ``rewards/{key}/mean`` and ``rewards/{key}/std`` over the rows where
         it applies, ``rewards/{key}/applicable_frac`` and ``rewards/{key}/failed`` (1.0 when
-        it raised this batch under ``on_error: none``); then ``reward/mean`` and
+        it raised this batch under ``on_error: none``); per part of a component,
+        ``rewards/{key}/{part}/mean`` and ``/std``; then ``reward/mean`` and
         ``reward/std`` of the total, and ``reward_log/{name}``, the mean of what rewards
         gave ``log_metric(name, value)``. Stds are population stds (defined for one row). A
         component that applies to no row of the batch gets no mean/std rather than NaN
@@ -266,6 +271,10 @@ class RewardResult:
                 out[f"rewards/{key}/mean"], out[f"rewards/{key}/std"] = _mean_std(applicable)
             out[f"rewards/{key}/applicable_frac"] = len(applicable) / n if n else 0.0
             out[f"rewards/{key}/failed"] = 1.0 if key in self.errors else 0.0
+            for part, part_values in self.parts.get(key, {}).items():
+                applicable = [v for v in part_values if v is not None]
+                if applicable:
+                    out[f"rewards/{key}/{part}/mean"], out[f"rewards/{key}/{part}/std"] = _mean_std(applicable)
         scored = [t for t in self.total if t is not None]
         if scored:
             out["reward/mean"], out["reward/std"] = _mean_std(scored)

@@ -94,7 +94,8 @@ class RewardSet:
         self.timeout = None if timeout is None else float(timeout)
 
     @classmethod
-    def from_specs(cls, specs: Iterable[Any], *, timeout: float | None = None) -> "RewardSet":
+    def from_specs(cls, specs: Iterable[Any], *, timeout: float | None = None,
+                   reward_type: str | None = None) -> "RewardSet":
         """Load every spec: a :class:`RewardSpec`, a reference string, a config mapping
         {name, weight, kwargs, on_error}, a config object with ``name`` and ``weight``, or a function.
 
@@ -102,17 +103,27 @@ class RewardSet:
         ``i`` being its position in ``specs``. A plain function is keyed by its ``__name__``.
         Options are checked against the function's parameters now, not at the first batch.
         ``timeout``: seconds per reward call (None: no limit), see the module docstring.
+        Text rewards written for EasyR1 (``compute_score(reward_inputs)`` and its older forms)
+        are called through :class:`~grouprl.rewards.easyr1.EasyR1Reward`: ``reward_type``
+        (``batch``, ``sequential``, ``function``; EasyR1's key) says which form, else the
+        function's file and signature do (:func:`~grouprl.rewards.easyr1.easyr1_reward`).
         """
         contract = cls.contract
         loaded: list[tuple[str, Callable[..., Any], float, RewardSpec | None]] = []
         for item in specs:
             if callable(item) and not isinstance(item, (str, Mapping, RewardSpec)) and not is_spec_object(item):
                 name = getattr(item, "__name__", type(item).__name__)
-                _check_signature(contract, name, item, {})
-                loaded.append((name, item, 1.0, None))
+                adapted = _easyr1(contract, name, item, {}, reward_type)
+                if adapted is None:
+                    _check_signature(contract, name, item, {})
+                loaded.append((name, adapted or item, 1.0, None))
                 continue
             spec = contract.spec.coerce(item)
             fn = get_reward(spec.name, contract.registry)
+            adapted = _easyr1(contract, spec.name, fn, spec.kwargs, reward_type)
+            if adapted is not None:
+                loaded.append((spec.name.strip(), adapted, spec.weight, spec))
+                continue
             _check_signature(contract, spec.name, fn, spec.kwargs)
             bound = functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
             loaded.append((spec.name.strip(), bound, spec.weight, spec))
@@ -276,6 +287,7 @@ class RewardSet:
         if not n:
             return RewardResult(components={k: [] for k in self.keys}, total=[], weights=self.weights)
         components: dict[str, list[float | None]] = {}
+        parts: dict[str, dict[str, list[float | None]]] = {}
         errors: dict[str, str] = {}
         for comp, raw in zip(self.components, outcomes):
             if isinstance(raw, Exception):
@@ -285,10 +297,15 @@ class RewardSet:
                 logger.warning("%s; its rows are left unscored (on_error=none)", error)
                 errors[comp.key] = str(error)
                 components[comp.key] = [None] * n
+                # the parts it reported before, unscored too: every batch logs the same keys
+                if getattr(comp.fn, "part_names", None):
+                    parts[comp.key] = {p: [None] * n for p in comp.fn.part_names}
                 continue
             if isinstance(raw, BaseException):  # KeyboardInterrupt, SystemExit, cancellation: not the reward's fault
                 raise raw
             components[comp.key] = _validate(contract, comp.key, raw, n, _defined_at(comp.fn))
+            if getattr(raw, "parts", None):  # an EasyR1 reward's format, accuracy, ...: logged, not weighted
+                parts[comp.key] = {p: list(v) for p, v in raw.parts.items()}
         total = weighted_total(components, self.weights)
         if not allow_unscored and None in total:
             row = total.index(None)
@@ -299,7 +316,7 @@ class RewardSet:
                 row=row,
             )
         return RewardResult(components=components, total=total, weights=self.weights, errors=errors,
-                            logged_metrics=logs.metrics, logged_columns=logs.columns)
+                            logged_metrics=logs.metrics, logged_columns=logs.columns, parts=parts)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{c.key}*{c.weight:g}" for c in self.components)
@@ -351,6 +368,16 @@ class _Logs:
             got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
             raise ValueError(f"log_extra({column!r}, ...): expected one value per row ({self.rows}), got {got}")
         self.columns[column] = list(values)
+
+
+def _easyr1(contract: RewardContract, name: str, fn: Callable[..., Any], options: Mapping[str, Any],
+            reward_type: str | None) -> Callable[..., Any] | None:
+    """``fn`` behind grouprl's text contract when it is an EasyR1 reward (options bound), else None."""
+    if contract is not TEXT:
+        return None
+    from grouprl.rewards.easyr1 import easyr1_reward
+
+    return easyr1_reward(fn, name, options, reward_type=reward_type)
 
 
 def _check_signature(contract: RewardContract, name: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
@@ -486,7 +513,11 @@ def _raised_at(exc: BaseException, fn: Any) -> str:
 
     code = _function_code(fn)
     own = [f for f in frames if code is not None and f.filename == code.co_filename]
-    frame = next((f for f in reversed(frames) if authors(f)), None) or (own[-1] if own else frames[-1])
+    frame = next((f for f in reversed(frames) if authors(f)), None) or (own[-1] if own else None)
+    if frame is None and code is not None:
+        # raised by grouprl around the function (an adapter's check of what it returned): name the function
+        return _defined_at(fn)
+    frame = frame or frames[-1]
     line = f": {frame.line.strip()}" if frame.line and frame.line.strip() else ""
     return f"; at {frame.filename}:{frame.lineno} in {frame.name}{line}"
 

@@ -48,7 +48,9 @@ def build_rewards(config: Config):
         specs = [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), on_error=f.on_error)
                  for f in r.functions]
     try:
-        rewards = RewardSet.from_specs(specs, timeout=r.timeout) if specs else None
+        # reward_type (EasyR1's key) says how its reward_function is called; functions' by their signature
+        reward_type = r.reward_type if r.reward_function else None
+        rewards = RewardSet.from_specs(specs, timeout=r.timeout, reward_type=reward_type) if specs else None
     except RewardLoadError as exc:  # the message names the reward; say where it was set
         key = "worker.reward.reward_function" if r.reward_function else "worker.reward.functions"
         raise RewardLoadError(f"config key '{key}': {exc}") from exc
@@ -167,6 +169,29 @@ def earliest_groups(batches: list[RolloutBatch], take: int, *, pad_token_id: int
     batch = RolloutBatch.concat(batches, pad_token_id=pad_token_id)
     groups = batch.group_index.unique()[:take]
     return batch.select(torch.isin(batch.group_index, groups).nonzero().squeeze(-1))
+
+
+def filter_values(batch: RolloutBatch, key: str) -> torch.Tensor:
+    """[B] the per-row values ``algorithm.filter_key`` names, NaN where they do not apply: ``overall``, the
+    reward that trains (``batch.scores``); a reward component's key; a part of an EasyR1 reward's score as
+    ``<key>/<part>``, or as the part's name alone (EasyR1's way) when one reward has such a part.
+
+    ConfigError naming the key and what the rewards gave when it names none of them.
+    """
+    if key == "overall":
+        return batch.scores.detach().to(torch.float64)
+    components = batch.reward_components
+    if key in components:
+        found = key
+    else:
+        matches = [k for k in components if k.endswith("/" + key)]
+        if len(matches) != 1:
+            why = f"several rewards have a part {key!r} ({', '.join(matches)}); name one as <key>/{key}" if matches \
+                else f"{key!r} names no reward component or part"
+            raise ConfigError(f"config key 'algorithm.filter_key': {why}; the rewards gave: "
+                              f"{', '.join(['overall', *components])}")
+        found = matches[0]
+    return torch.tensor([float("nan") if v is None else float(v) for v in components[found]], dtype=torch.float64)
 
 
 Transformed = list[tuple[object, dict]]  # (rollout transform or dialogue runner, the metrics it reported)
@@ -445,7 +470,8 @@ class GRPOTrainer(TrainingLoop):
         that every async mode samples the same responses; transforms and rewards take each
         micro-batch as it comes (async modes) or the whole round (sync), see ``RoundScoring``.
         Without dynamic sampling a step is one round. With it (DAPO,
-        ``algorithm.online_filtering``) only groups whose rewards differ are kept, and rounds
+        ``algorithm.online_filtering``) only groups whose rewards differ are kept (or, with
+        EasyR1's keys, those whose mean ``filter_key`` lies between its bounds), and rounds
         of new prompts are drawn until every process has its share of groups (or the extra
         rounds run out); then every process keeps the same number of groups, the fewest any
         process found, so all take the same number of optimizer steps. Groups found beyond
@@ -483,7 +509,7 @@ class GRPOTrainer(TrainingLoop):
                 batch = RolloutBatch.concat([part for part, _, _ in scored], pad_token_id=pad)
                 if not algo.online_filtering:
                     return batch
-                keep = algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
+                keep = self._groups_to_keep(batch)
                 if keep.any():
                     part = batch.select(keep.nonzero().squeeze(-1))
                     kept.append(part)
@@ -560,7 +586,9 @@ class GRPOTrainer(TrainingLoop):
         """Rewards, overlong shaping and truncation masking, in place; returns the RewardResult."""
         algo = self.config.algorithm
         result = self._reward_scores(batch, allow_unscored=True)
-        batch.reward_components = result.components
+        batch.reward_components = dict(result.components)
+        for key, parts in result.parts.items():  # an EasyR1 reward's format, accuracy, ...: recorded, not summed
+            batch.reward_components.update({f"{key}/{part}": values for part, values in parts.items()})
         batch.reward_logs = dict(result.logged_columns)
         scores = _fill_unscored(result.total, batch.group_index)
         unscored = torch.tensor([t is None for t in result.total], dtype=torch.bool)
@@ -611,6 +639,20 @@ class GRPOTrainer(TrainingLoop):
         sq = torch.tensor([float(((x - mean) ** 2).sum())], dtype=torch.float64, device=self.accelerator.device)
         torch.distributed.all_reduce(sq)
         return float(sq[0] / (n - 1)) ** 0.5 if n > 1 else 1.0
+
+    def _groups_to_keep(self, batch: RolloutBatch) -> torch.Tensor:
+        """Online filtering's rows to keep, BoolTensor [B]: grouprl's std rule (std_g > filter_min_std), or
+        EasyR1's when its keys are set (filter_low < mean_g(filter_key) < filter_high, and also
+        std_g > filter_min_std when that is > 0)."""
+        algo = self.config.algorithm
+        rule = algo.mean_filter
+        if rule is None:
+            return algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
+        key, low, high = rule
+        keep = algorithms.filter_groups_by_mean(filter_values(batch, key), batch.group_index, low=low, high=high)
+        if algo.filter_min_std > 0:
+            keep &= algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
+        return keep
 
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:

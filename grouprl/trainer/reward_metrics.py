@@ -3,12 +3,13 @@
 From a ``grouprl.rewards.RewardResult`` (per-row component values, ``None`` where a component
 does not apply, and the weighted total): ``rewards/{key}/mean`` and ``/std`` over the rows where
 the component applies, ``rewards/{key}/applicable_frac``, and ``reward/mean`` / ``reward/std`` of
-the weighted total, and ``reward/unscored_steps``: 1 for a step in which no row on any process got a
-score, else 0 (the column summed over a run counts such steps); ``reward_log/{name}``, the mean
-of the values reward functions gave TRL's ``log_metric(name, value)`` (a reward must log the same
-names on every process, as every metric is reduced over all of them). Every key is declared on every
-process, whether or not a component applied to any of its rows, because the processes reduce the
-same keys together (``trainer.metrics``).
+the weighted total, ``rewards/{key}/{part}/mean`` and ``/std`` of the parts a reward reports
+beside its score (an EasyR1 reward's ``format``, ``accuracy``), and ``reward/unscored_steps``: 1
+for a step in which no row on any process got a score, else 0 (the column summed over a run counts
+such steps); ``reward_log/{name}``, the mean of the values reward functions gave TRL's
+``log_metric(name, value)`` (a reward must log the same names on every process, as every metric is
+reduced over all of them). Every key is declared on every process, whether or not a component
+applied to any of its rows, because the processes reduce the same keys together (``trainer.metrics``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
         values = [v for v in result.components.get(key, []) if v is not None]
         metrics.moments(f"{prefix}rewards/{key}", values)
         metrics.mean(f"{prefix}rewards/{key}/applicable_frac", len(values) / n if n else 0.0, n)
+        # the parts an EasyR1 reward reports beside its overall score (format, accuracy, ...)
+        for part, part_values in result.parts.get(key, {}).items():
+            metrics.moments(f"{prefix}rewards/{key}/{part}", [v for v in part_values if v is not None])
     metrics.moments(f"{prefix}reward", [t for t in result.total if t is not None])
     for name, values in result.logged_metrics.items():
         metrics.mean(f"{prefix}reward_log/{name}", sum(values) / len(values), len(values))
@@ -43,16 +47,22 @@ def record_rewards(metrics: StepMetrics, result: RewardResult, keys: Sequence[st
 
 def join_results(results: Sequence[RewardResult], keys: Sequence[str], weights: Mapping[str, float]) -> RewardResult:
     """The results of consecutive parts of a batch (micro-batches) as one result over all its rows, in order
-    (a ``log_extra`` column one part has not logged is None on that part's rows)."""
+    (a ``log_extra`` column or a reward's part one part of the batch has not logged is None on its rows)."""
     logged: dict[str, list[float]] = {}
     for r in results:
         for name, values in r.logged_metrics.items():
             logged.setdefault(name, []).extend(values)
     names = list(dict.fromkeys(name for r in results for name in r.logged_columns))
     columns = {name: [v for r in results for v in r.logged_columns.get(name, [None] * len(r.total))] for name in names}
+    parts: dict[str, dict[str, list]] = {}
+    for k in keys:
+        part_names = list(dict.fromkeys(p for r in results for p in r.parts.get(k, {})))
+        if part_names:
+            parts[k] = {p: [v for r in results for v in r.parts.get(k, {}).get(p, [None] * len(r.total))]
+                        for p in part_names}
     return RewardResult(components={k: [v for r in results for v in r.components[k]] for k in keys},
                         total=[t for r in results for t in r.total], weights=dict(weights),
-                        logged_metrics=logged, logged_columns=columns)
+                        logged_metrics=logged, logged_columns=columns, parts=parts)
 
 
 class UnscoredSteps:

@@ -59,6 +59,9 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     assert cfg.worker.actor.padding_free and cfg.worker.actor.dynamic_batching  # EasyR1's keys, grouprl's too
     assert cfg.worker.actor.model.lora.target_modules == ["all-linear"] and cfg.worker.actor.model.lora.alpha == 64
     assert cfg.worker.reward.reward_function == "./examples/reward_function/math.py:compute_score"
+    # online filtering's keys are grouprl's too (read when algorithm.online_filtering is on)
+    assert cfg.algorithm.mean_filter == ("overall", 0.01, 0.99) and not cfg.algorithm.online_filtering
+    assert load_config(EASYR1, ["algorithm.online_filtering=true"]).algorithm.online_filtering
     assert cfg.trainer.total_epochs == 15 and cfg.trainer.save_limit == 3
     # every foreign key said something, one line each, on the logger
     logged = [r.getMessage() for r in caplog.records]
@@ -68,6 +71,7 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
             "worker.ref.offload", "worker.rollout.val_override_config", "trainer.n_gpus_per_node",
             "trainer.nnodes", "trainer.load_checkpoint_path", "trainer.find_last_checkpoint",
             "trainer.logger", "trainer.max_try_make_batch", "trainer.save_model_only"} <= noted
+    assert not {"algorithm.filter_key", "algorithm.filter_low", "algorithm.filter_high"} & noted
     assert any("trainer.n_gpus_per_node=8" in line and "torchrun" in line for line in logged)
 
 
@@ -81,9 +85,12 @@ def test_easyr1_before_0_3_loads_once_its_builtin_scorer_and_entropy_bonus_are_r
     assert cfg.trainer.total_epochs == 15  # total_episodes
     # the KL loss's own coefficient wins over the in-reward algorithm.kl_coef: 0.0 of that version
     assert cfg.algorithm.use_kl_loss and cfg.algorithm.kl_coef == 1e-2 and cfg.algorithm.kl_penalty == "low_var_kl"
+    # reward_type: function (one response a call, that version's only kind) is a key grouprl reads
+    assert cfg.worker.reward.reward_type == "function"
     notes = _notes(EASYR1_V02, ["worker.actor.entropy_coeff=0", "worker.reward.compute_score=null"])
-    assert {"worker.actor.ulysses_sequence_parallel_size", "worker.reward.reward_type", "trainer.total_episodes",
+    assert {"worker.actor.ulysses_sequence_parallel_size", "trainer.total_episodes",
             "trainer.remove_previous_ckpt"} <= _noted_keys(notes)
+    assert "worker.reward.reward_type" not in _noted_keys(notes)
 
 
 @pytest.mark.parametrize("override, needle", [
