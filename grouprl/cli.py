@@ -29,10 +29,12 @@ prints the version.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from grouprl.registry import Registry, resolve
@@ -312,6 +314,18 @@ class Demo:
     combined: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
 
 
+QUICK_SUFFIX = "-quick"
+
+
+def demo_dir(out: str | os.PathLike | None, default: str, quick: bool) -> Path:
+    """A demo's run directory: ``out`` when given, else its ``default`` (``runs/demo``), with
+    ``-quick`` appended for a ``--quick`` run (``runs/demo-quick``), so that a smoke test never
+    overwrites the results of a full run."""
+    if out is not None:
+        return Path(out)
+    return Path(default + QUICK_SUFFIX if quick else default)
+
+
 def _check_demo(name: str, demo: Any) -> None:
     if not isinstance(demo, Demo):
         raise TypeError(f"demo {name!r} is {demo!r}, not a grouprl.cli.Demo")
@@ -344,7 +358,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Runs a demo on CPU with tiny models and synthetic data, downloading nothing" + (
         f"; by default: {default[0]}" if len(default) == 1 else "") + "."
     p.add_argument("--out", help="run directory (default: the demo's own, under runs/)")
-    p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a much shorter run, for smoke tests, in its own directory (the demo's default with "
+                        f"{QUICK_SUFFIX} appended, e.g. runs/demo{QUICK_SUFFIX})")
     # option's dest -> (the demos that take it, how to name it, its default)
     owned: dict[str, tuple[list[str], str, Any]] = {}
     actions: dict[str, argparse.Action] = {}
