@@ -43,6 +43,8 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
     "worker.rollout.verifier.http_concurrency",
     # `grouprl sft`'s settings: the warm start is done before an RL run's first step
     "sft",
+    # the flow trainer's moving average of the weights: validation and export read it, the update does not
+    "worker.actor.ema",
 )
 
 
