@@ -29,10 +29,12 @@ prints the version.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from grouprl.registry import Registry, resolve
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of its one-line message")
     subparsers = {(): parser.add_subparsers(dest="command", required=True)}
+    parser.command_parsers = {}  # a command's name (its words joined by spaces) -> its parser
     for name, command in COMMANDS.items():
         _check_command(name, command)  # one registered as an object is checked here, a reference when imported
         *group, leaf = name.split()
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         if command.arguments is not None:
             command.arguments(p)
         p.set_defaults(fn=command.run, prog=p.prog)
+        parser.command_parsers[name] = p
     return parser
 
 
@@ -146,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     end = argv.index("--") if "--" in argv else len(argv)
     debug = "--debug" in argv[:end]
     argv = [a for i, a in enumerate(argv) if not (i < end and a == "--debug")]
-    args = build_parser().parse_args(argv)
-    if getattr(args, "config", None) and "=" in args.config:
-        # `grouprl train key=value ...` with no file: the first override landed in `config`
-        args.overrides = [args.config, *args.overrides]
-        args.config = None
+    parser = build_parser()
+    if (dashed := _dashed_override(parser, argv)) is not None:
+        print(dashed, file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     anticipated = _anticipated()
     try:
+        # a command that reads a config (train, sft): its file and overrides, or its usage
+        if hasattr(args, "overrides") and (usage := _config_file(args)) is not None:
+            print(usage, file=sys.stderr)
+            return 2
         return args.fn(args)
     except TrainingStopped as stopped:  # a signal stopped a run (train, a demo); the loop named its checkpoint
         return stopped.exit_status
@@ -169,18 +177,78 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("config", nargs="?", help="YAML config file (EasyR1's form config=FILE works too)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. worker.rollout.n=5")
+    p.set_defaults(config_usage=f"usage: {p.prog} CONFIG.yaml [key=value ...]")
+
+
+def _config_file(args: argparse.Namespace) -> str | None:
+    """Sort a config command's words into its file and its overrides, in ``args``; the usage (two
+    lines) when there is neither, else None.
+
+    ``grouprl train key=value ...`` with no file puts the first override in ``config``; EasyR1's
+    launch form ``config=FILE key=value ...`` names the file as an override does.
+    """
+    words = ([args.config] if args.config else []) + list(args.overrides)
+    if args.config and "=" not in args.config:
+        words = words[1:]
+    else:
+        args.config = None
+    named = [w for w in words if w.startswith("config=")]
+    if len(named) > 1 or (named and args.config):
+        files = ([args.config] if args.config else []) + [w.split("=", 1)[1] for w in named]
+        raise UsageError(f"one config file, please; got {', '.join(files)}")
+    if named:
+        args.config = named[0].split("=", 1)[1]
+    args.overrides = [w for w in words if not w.startswith("config=")]
+    if args.config is None and not args.overrides:
+        return (f"{args.config_usage}\n{args.prog}: give a YAML config file (examples/ has some), then dotted "
+                "key=value overrides; `grouprl demo` trains without one")
+    return None
+
+
+def _dashed_override(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """One line for an HF-style ``--key value`` given to a config command (train, sft), which takes
+    ``key=value`` overrides; None when there is none. The key is read as a config key, then against
+    the port tables (``--num_generations 4``: TRL's name for ``worker.rollout.n=4``), then by spelling."""
+    from grouprl.config import all_keys, ported_name, suggest_keys
+
+    command = parser.command_parsers.get(argv[0]) if argv else None
+    if command is None or "overrides" not in {a.dest for a in command._actions}:
+        return None
+    known = set(command._option_string_actions)
+    rest = argv[1:]
+    for i, word in enumerate(rest):
+        if word == "--":
+            return None
+        if not word.startswith("--") or word.split("=", 1)[0] in known:
+            continue
+        name, value = (word[2:].split("=", 1) + [None])[:2]
+        if value is None and i + 1 < len(rest) and not rest[i + 1].startswith("-") and "=" not in rest[i + 1]:
+            value = rest[i + 1]
+        shown = f"{word} {value}" if value is not None and "=" not in word else word
+        value = "VALUE" if value is None else value
+        key = name.replace("-", "_")  # HF's --num-generations spells its fields with dashes too
+        head = f"{command.prog}: '{shown}': overrides are key=value, not --key value"
+        if key in all_keys():
+            return f"{head}; write {key}={value}"
+        if (ported := ported_name(key)) is not None:
+            return f"{head}; write {ported.key}={value} ({key} is {ported.origin}" + (
+                f"; {ported.note})" if ported.note else ")")
+        near = suggest_keys(key)
+        return f"{head}; '{key}' is not a config key" + (f" (did you mean {', '.join(near)}?)" if near else "")
+    return None
 
 
 def cmd_train(args) -> int:
-    from grouprl.config import read_config_values
+    from grouprl.config import config_sources, read_config_values
     from grouprl.trainer.kinds import trainer_kind
     from grouprl.trainer.signals import exit_status
 
     try:
         values = read_config_values(args.config, args.overrides)
-        config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
+        with config_sources(values):  # an error naming a key says where it was set (file and line, command line)
+            config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
         trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training began, or with trainer.save_on_signal false
         print("grouprl: interrupted (SIGINT); no checkpoint written", file=sys.stderr)
@@ -246,6 +314,18 @@ class Demo:
     combined: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
 
 
+QUICK_SUFFIX = "-quick"
+
+
+def demo_dir(out: str | os.PathLike | None, default: str, quick: bool) -> Path:
+    """A demo's run directory: ``out`` when given, else its ``default`` (``runs/demo``), with
+    ``-quick`` appended for a ``--quick`` run (``runs/demo-quick``), so that a smoke test never
+    overwrites the results of a full run."""
+    if out is not None:
+        return Path(out)
+    return Path(default + QUICK_SUFFIX if quick else default)
+
+
 def _check_demo(name: str, demo: Any) -> None:
     if not isinstance(demo, Demo):
         raise TypeError(f"demo {name!r} is {demo!r}, not a grouprl.cli.Demo")
@@ -278,7 +358,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Runs a demo on CPU with tiny models and synthetic data, downloading nothing" + (
         f"; by default: {default[0]}" if len(default) == 1 else "") + "."
     p.add_argument("--out", help="run directory (default: the demo's own, under runs/)")
-    p.add_argument("--quick", action="store_true", help="a much shorter run, for smoke tests")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a much shorter run, for smoke tests, in its own directory (the demo's default with "
+                        f"{QUICK_SUFFIX} appended, e.g. runs/demo{QUICK_SUFFIX})")
     # option's dest -> (the demos that take it, how to name it, its default)
     owned: dict[str, tuple[list[str], str, Any]] = {}
     actions: dict[str, argparse.Action] = {}

@@ -9,6 +9,8 @@
 - :mod:`~grouprl.config.checks`: checks across fields and against the registries.
 - :mod:`~grouprl.config.ported_keys`: EasyR1's keys that grouprl's schema lacks, one table:
   each mapped onto grouprl's key, accepted with a one-line note, or refused with the reason.
+- :mod:`~grouprl.config.trl_names`: TRL's ``GRPOConfig`` names and grouprl's keys, one table,
+  read by the unknown-key error (``num_generations``: use ``worker.rollout.n``).
 
 Everything is importable from ``grouprl.config`` itself. ``write_text_atomic`` is
 :func:`grouprl.files.write_text_atomic`, kept here for the modules that import it from
@@ -17,15 +19,20 @@ this package.
 
 from grouprl.config.checks import validate
 from grouprl.config.load import (
+    ConfigValues,
     all_keys,
     build_config,
     config_from_dict,
+    config_sources,
     load_config,
     merge_values,
     parse_overrides,
+    port_hint,
+    ported_name,
     read_config_values,
     redacted,
     save_config,
+    suggest_keys,
     to_dict,
 )
 from grouprl.config.schema import (
@@ -64,6 +71,7 @@ __all__ = [
     "CISPOConfig",
     "Config",
     "ConfigError",
+    "ConfigValues",
     "DataConfig",
     "GSPOConfig",
     "LoraConfig",
@@ -86,12 +94,16 @@ __all__ = [
     "build_config",
     "choices",
     "config_from_dict",
+    "config_sources",
     "load_config",
     "merge_values",
     "parse_overrides",
+    "port_hint",
+    "ported_name",
     "read_config_values",
     "redacted",
     "save_config",
+    "suggest_keys",
     "to_dict",
     "validate",
     "write_text_atomic",

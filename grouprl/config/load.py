@@ -10,13 +10,15 @@ Also the way back out: ``to_dict``, ``redacted`` (secrets removed) and ``save_co
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import difflib
 import os
+import re
 import types
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -46,6 +48,10 @@ _SCHEMA_ROOT: contextvars.ContextVar[type] = contextvars.ContextVar("grouprl_con
 _UNKNOWN: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("grouprl_config_unknown", default=None)
 _BAD_VALUES: contextvars.ContextVar[list[ConfigError] | None] = contextvars.ContextVar("grouprl_config_bad",
                                                                                         default=None)
+# Where each dotted key of the values being built came from ("config.yaml, line 3", "the command
+# line"), while `config_sources` holds them: errors naming a key say where to fix it.
+_SOURCES: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("grouprl_config_sources",
+                                                                                  default=None)
 
 
 def _suggestions(key: str) -> list[str]:
@@ -57,20 +63,121 @@ def _suggestions(key: str) -> list[str]:
     return near
 
 
+def _where(key: str) -> str:
+    """`` in FILE, line N`` or `` from the command line`` for a key being built, else ""."""
+    sources = _SOURCES.get() or {}
+    found = sources.get(key) or sources.get(re.sub(r"\[\d+\]", "", key))  # functions[0].name: its list
+    return f" {found}" if found else ""
+
+
+@contextlib.contextmanager
+def config_sources(values: dict):
+    """While building ``values`` (from :func:`read_config_values`, which records where each key came
+    from), a ConfigError that names a key says where it was set: in which file and line, or on the
+    command line. Unknown keys are told so where the error is made; any other error naming a
+    ``config key '...'`` (a bad value, a cross-field check, the trainer's own) is told so here."""
+    sources = getattr(values, "sources", None) or {}
+    token = _SOURCES.set(sources)
+    try:
+        yield
+    except ConfigError as exc:
+        message = str(exc)
+        named = re.search(r"config key '([^']+)'", message)
+        where = _where(named.group(1)) if named else ""
+        if where and where not in message and len(exc.args) == 1:
+            # the first key named is the one at fault; keep the error's type (a CheckpointError stays one)
+            exc.args = (f"{message}{where.replace(' ', ' (', 1)})",)
+        raise
+    finally:
+        _SOURCES.reset(token)
+
+
+class PortedName(NamedTuple):
+    """A key of another trainer's config, as grouprl reads it (:func:`ported_name`)."""
+
+    key: str  # what to write: grouprl's key (TRL), or EasyR1's full key, which grouprl reads
+    origin: str  # "TRL's GRPOConfig name" or "EasyR1's trainer.find_last_checkpoint"
+    note: str  # how its values or meaning translate ("" when they do not differ)
+
+    def describe(self) -> str:
+        """E.g. ``TRL's GRPOConfig name: use worker.rollout.n``."""
+        if self.origin.startswith("TRL"):
+            return f"{self.origin}: use {self.key}" + (f"; {self.note}" if self.note else "")
+        return f"{self.origin}: {self.note}"
+
+
+def ported_name(key: str, root: type | None = None) -> PortedName | None:
+    """What a key from another trainer's config is in grouprl, or None: ``key`` (dotted or bare)
+    read against EasyR1's keys (:mod:`grouprl.config.ported_keys`, whose full names grouprl reads)
+    and TRL's ``GRPOConfig`` names (:mod:`grouprl.config.trl_names`), e.g. ``num_generations`` ->
+    ``worker.rollout.n``.
+
+    The port tables come before spelling: ``num_generations`` is spelled like
+    ``trainer.val_generations_to_log`` and ``beta`` like ``data``, and neither is meant. Order:
+    an EasyR1 key that ``key`` is, or whose last two or more parts it is (``actor.loss_avg_mode``),
+    then TRL's name for the last part, then an EasyR1 key with the same last part. A TRL entry whose
+    grouprl key is not in ``root``'s schema (another trainer's config) is not offered.
+    """
+    from grouprl.config.ported_keys import PORTED_KEYS
+    from grouprl.config.trl_names import BY_TRL_NAME
+
+    valid = set(all_keys(root or _SCHEMA_ROOT.get(Config)))
+    parts = key.split(".")
+    leaf = parts[-1]
+
+    def easyr1(entry) -> PortedName:
+        return PortedName(entry.key, f"EasyR1's {entry.key}", entry.grouprl)
+
+    if len(parts) > 1:
+        for entry in PORTED_KEYS:
+            if entry.key == key or entry.key.endswith("." + key):
+                return easyr1(entry)
+    trl = BY_TRL_NAME.get(leaf)
+    if trl is not None and trl.key in valid:
+        return PortedName(trl.key, "TRL's GRPOConfig name", trl.values)
+    for entry in PORTED_KEYS:
+        if entry.key.rsplit(".", 1)[-1] == leaf:
+            return easyr1(entry)
+    return None
+
+
+def port_hint(key: str, root: type | None = None) -> str | None:
+    """What ``key`` is called in grouprl (:func:`ported_name`), in words, or None."""
+    found = ported_name(key, root)
+    return None if found is None else found.describe()
+
+
+def suggest_keys(key: str, root: type | None = None) -> list[str]:
+    """The valid keys of ``root``'s schema (default: the language trainer's) closest to ``key`` in spelling."""
+    token = _SCHEMA_ROOT.set(root or _SCHEMA_ROOT.get(Config))
+    try:
+        return _suggestions(key)
+    finally:
+        _SCHEMA_ROOT.reset(token)
+
+
 def _unknown_key(key: str) -> ConfigError:
     return _unknown_keys([key])
 
 
 def _unknown_keys(keys: list[str]) -> ConfigError:
-    """One error for every unknown key, each with its closest valid keys (one line)."""
+    """One error for every unknown key (one line), each with where it came from (file and line, or
+    the command line) and what it is in grouprl: its name in the port tables, else the closest valid keys."""
     if len(keys) == 1:
+        port, where = port_hint(keys[0]), _where(keys[0])
+        if port is not None:
+            return ConfigError(f"unknown config key '{keys[0]}'{where} ({port})")
         near = _suggestions(keys[0])
         hint = f"; did you mean {', '.join(near)}?" if near else ""
-        return ConfigError(f"unknown config key '{keys[0]}'{hint}")
+        return ConfigError(f"unknown config key '{keys[0]}'{where}{hint}")
     parts = []
     for key in keys:
+        port, where = port_hint(key), _where(key)
+        if port is not None:
+            parts.append(f"'{key}'{where} ({port})")
+            continue
         near = _suggestions(key)
-        parts.append(f"'{key}'" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+        parts.append(f"'{key}'{where}" + (f" (did you mean {', '.join(near)}?)" if near else ""))
     return ConfigError(f"unknown config keys: {', '.join(parts)}")
 
 
@@ -231,22 +338,65 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
+class ConfigValues(dict):
+    """A config's plain values, and ``sources``: where each dotted key (sections too) was set, as
+    ``"in FILE, line N"`` or ``"from the command line"`` (what :func:`config_sources` reports)."""
+
+    def __init__(self, values: dict, sources: dict[str, str]):
+        super().__init__(values)
+        self.sources = sources
+
+
+def _yaml_lines(text: str) -> dict[str, int]:
+    """Every dotted key of a YAML mapping and its (1-based) line; keys inside lists are left out."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                dotted = f"{prefix}{key_node.value}"
+                lines[dotted] = key_node.start_mark.line + 1
+                walk(value_node, dotted + ".")
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return lines
+
+
+def _dotted_paths(tree: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in tree.items():
+        paths.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            paths.extend(_dotted_paths(value, f"{prefix}{key}."))
+    return paths
+
+
 def read_config_values(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                       base: dict | None = None) -> dict:
-    """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict."""
+                       base: dict | None = None) -> ConfigValues:
+    """The YAML file (optional) over ``base`` with dotted overrides applied, as a plain dict
+    (a :class:`ConfigValues`, which also says where each key came from: the file and line, or
+    the command line; keys of ``base`` have no source)."""
     values: dict = dict(base or {})
+    sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text()
+            loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         values = merge_values(values, loaded)
-    return merge_values(values, parse_overrides(overrides or []))
+        sources.update({key: f"in {path}, line {line}" for key, line in _yaml_lines(text).items()})
+    tree = parse_overrides(overrides or [])
+    for key in _dotted_paths(tree):
+        sources[key] = "from the command line"
+    return ConfigValues(merge_values(values, tree), sources)
 
 
 def config_from_dict(values: dict) -> Config:
@@ -260,8 +410,11 @@ def config_from_dict(values: dict) -> Config:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
-    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate."""
-    return config_from_dict(read_config_values(path, overrides, base))
+    """Read a YAML file (optional) over ``base`` and apply dotted overrides, then validate; an error
+    naming a key says where it was set (the file and line, or the command line)."""
+    values = read_config_values(path, overrides, base)
+    with config_sources(values):
+        return config_from_dict(values)
 
 
 def to_dict(config: Config) -> dict:

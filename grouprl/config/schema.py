@@ -516,6 +516,13 @@ class TrainerConfig:
     save_limit: int = -1  # -1 = keep every checkpoint
     save_checkpoint_path: str | None = None  # default: <output_dir>/checkpoints
     resume: str | None = None  # "auto" = the last checkpoint in save_checkpoint_path, or a path
+    # A checkpoint is resumed only under the config it was trained with, as far as what trains goes
+    # (model, algorithm, rewards, data, rollout sampling, seeds; not logging, paths, max_steps,
+    # total_epochs, validation, save cadence, micro-batch sizes: grouprl.trainer.resume_config):
+    # otherwise the run stops with one line naming each differing key and both values. Two runs
+    # sharing save_checkpoint_path with resume: auto (EasyR1's find_last_checkpoint) are told apart
+    # so. true: resume anyway (e.g. a deliberately changed learning rate), naming the differences.
+    resume_if_config_changed: bool = False
     log_rollouts: bool = True
     # CheXPO-style completions.jsonl: per-token log-probs (from the sampler) and tokens of every response
     log_completions: bool = False

@@ -4,8 +4,12 @@ A trainer (``GRPOTrainer``, the flow trainer) implements one training step and i
 everything around the steps lives here once, so that language and image runs resume, save and
 log the same way. ``TrainingLoop.train`` runs these stages:
 
+    0. the checkpoint ``trainer.resume`` names, refused when it was trained with a config that
+       differs from this one in what trains (``trainer.resume_if_config_changed``; see
+       ``trainer.resume_config``), before anything is written
     1. config.yaml and run_info.json (main process)
-    2. resume from ``trainer.resume``; the writers cut their files back to the resumed step, or
+    2. resume from that checkpoint (one line when it is at or past the run's last step: nothing
+       left to train); the writers cut their files back to the resumed step, or
        on a fresh start drop every step's rows (an earlier attempt killed before its first
        checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
@@ -51,8 +55,12 @@ from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
+from grouprl.trainer.resume_config import check_resume_config
 from grouprl.trainer.reward_metrics import UnscoredSteps
 from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
+
+
+_CHOOSE = object()  # TrainingLoop.resume's default: the checkpoint trainer.resume names
 
 
 @dataclass
@@ -244,9 +252,25 @@ class TrainingLoop(abc.ABC):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def resume(self) -> bool:
-        """Load the checkpoint named by ``trainer.resume``; False when starting fresh."""
-        path = ckpt.resume_path(self.config.trainer.resume, self.config.checkpoint_dir, accelerator=self.accelerator)
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint ``trainer.resume`` names (None: a fresh start), refused (ConfigError, one line
+        naming each differing key and both values) when the config it was saved with differs from this
+        run's in what trains, unless ``trainer.resume_if_config_changed`` (then one line names them)."""
+        t = self.config.trainer
+        path = ckpt.resume_path(t.resume, self.config.checkpoint_dir, accelerator=self.accelerator)
+        if path is not None:
+            saved = ckpt.load_trainer_state(path).extra.get("config")
+            changes = check_resume_config(path, saved, redacted(self.config), allowed=t.resume_if_config_changed)
+            if changes and self.is_main:
+                print(f"grouprl: resuming {path} under a changed config (trainer.resume_if_config_changed): "
+                      f"{'; '.join(changes)}", flush=True)
+        return path
+
+    def resume(self, path: Path | None | object = _CHOOSE) -> bool:
+        """Load the checkpoint ``path`` (default: the one ``trainer.resume`` names, checked by
+        :meth:`resume_checkpoint`); False when starting fresh."""
+        if path is _CHOOSE:
+            path = self.resume_checkpoint()
         if path is None:
             return False
         self.state = ckpt.restore_checkpoint(path, self.policy, self.optimizer, self.scheduler,
@@ -272,6 +296,7 @@ class TrainingLoop(abc.ABC):
         from accelerate.utils import gather_object
 
         self.state.extra["stream"] = dict(self._consumed_stream)
+        self.state.extra["config"] = redacted(self.config)  # what a resume compares its config with
         model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
@@ -327,6 +352,9 @@ class TrainingLoop(abc.ABC):
 
     def _train(self, stop: StopRequest) -> dict[str, float]:
         t = self.config.trainer
+        # 0. the checkpoint to resume, checked against this config before anything is written: a refused
+        # resume leaves the run directory's config.yaml the one its checkpoints were trained with
+        checkpoint = self.resume_checkpoint()
         # 1. what the run is
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +362,12 @@ class TrainingLoop(abc.ABC):
             write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
         # 2. where it starts: a killed run's lines after its last checkpoint are written again below;
         # a fresh start writes every step again (-1 keeps no step's rows, validation's step 0 included)
-        resume_step = self.state.global_step if self.resume() else -1
+        resume_step = self.state.global_step if self.resume(checkpoint) else -1
+        if resume_step >= 0 and self.state.global_step >= self.total_steps and self.is_main:
+            ends = ("trainer.max_steps" if t.max_steps else
+                    f"trainer.total_epochs {t.total_epochs} x {self.stream.batches_per_epoch} batches")
+            print(f"grouprl: nothing left to train: checkpoint {checkpoint} is at step {self.state.global_step} and "
+                  f"the run ends at step {self.total_steps} ({ends}); raise it to train on", flush=True)
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}

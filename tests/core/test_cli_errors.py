@@ -270,3 +270,51 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_line(project, capsys, monkeypatc
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("grouprl: model error: 'nobody-here/no-such-model' is not a local directory")
     assert "hf download nobody-here/no-such-model" in err
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_config_command_without_arguments_prints_its_usage(capsys, command):
+    assert main([command]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"usage: grouprl {command} CONFIG.yaml [key=value ...]"
+    assert len(lines) == 2 and "key=value" in lines[1] and "data.train_files" not in lines[1]
+
+
+@pytest.mark.parametrize("words, wanted", [
+    (["--num_generations", "4"], "write worker.rollout.n=4 (num_generations is TRL's GRPOConfig name)"),
+    (["--num-generations=4"], "write worker.rollout.n=4"),
+    (["--worker.rollout.n", "4"], "write worker.rollout.n=4"),
+    (["--find_last_checkpoint", "true"], "write trainer.find_last_checkpoint=true (find_last_checkpoint is "
+                                         "EasyR1's trainer.find_last_checkpoint"),
+    (["--temprature", "1"], "'temprature' is not a config key (did you mean"),
+])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_an_hf_style_option_says_overrides_are_key_value(project, capsys, command, words, wanted):
+    assert main([command, str(project / "good.yaml"), *words]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"grouprl {command}: '{' '.join(words)}': overrides are key=value, not --key value; ")
+    assert wanted in line
+
+
+def test_easyr1s_config_equals_file_form_reads_the_file(project, capsys):
+    # the file is read: its missing data file is the error, and an override after it applies
+    assert main(["train", f"config={project / 'missing.yaml'}", "worker.rollout.n=2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("grouprl: data error: ") and "no_such_file.jsonl" in line
+    assert main(["train", f"config={project / 'good.yaml'}", "num_generations=2"]) == 2
+    assert one_error_line(capsys) == ("grouprl: config error: unknown config key 'num_generations' from the command "
+                                      "line (TRL's GRPOConfig name: use worker.rollout.n)")
+    assert main(["train", str(project / "good.yaml"), f"config={project / 'missing.yaml'}"]) == 2
+    assert "one config file" in one_error_line(capsys)
+
+
+def test_an_unknown_key_in_the_file_names_the_file_and_line(project, tmp_path, capsys):
+    config = yaml.safe_load((project / "good.yaml").read_text())
+    config["trainer"]["beta"] = 0.04
+    path = tmp_path / "with_beta.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=True))
+    line_no = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith("beta:"))
+    assert main(["train", str(path)]) == 2
+    assert one_error_line(capsys) == (f"grouprl: config error: unknown config key 'trainer.beta' in {path}, line "
+                                      f"{line_no} (TRL's GRPOConfig name: use algorithm.kl_coef; with "
+                                      "algorithm.use_kl_loss: true for TRL's KL loss)")

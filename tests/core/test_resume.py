@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from grouprl.config import config_from_dict
+from grouprl.config import ConfigError, config_from_dict
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.grpo import GRPOTrainer
 from grouprl.trainer.logging import MetricsLogger
@@ -180,3 +181,88 @@ def test_learning_rate_schedule_ends_with_the_run(setup, tmp_path):
     assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
     assert trainer.scheduler.last_epoch == 5
+
+
+# ---------------------------------------------------------------------------- resuming under another config
+
+
+def test_only_what_trains_counts_as_a_changed_config():
+    from grouprl.trainer.resume_config import training_changes
+
+    saved = {"algorithm": {"kl_coef": 0.0}, "worker": {"rollout": {"n": 4, "val_n": 1, "micro_batch_size": 2},
+                                                       "actor": {"micro_batch_size_per_device_for_update": 4}},
+             "trainer": {"max_steps": 4, "total_epochs": 1, "logger": ["jsonl"], "save_freq": 2, "val_freq": 1,
+                         "resume": None, "output_dir": "a", "seed": 1}, "sft": {"lr": 1e-5}, "data": {"old": 1}}
+    current = {"algorithm": {"kl_coef": 0.1}, "worker": {"rollout": {"n": 8, "val_n": 4, "micro_batch_size": 8},
+                                                         "actor": {"micro_batch_size_per_device_for_update": 1}},
+               "trainer": {"max_steps": 9, "total_epochs": 3, "logger": ["console"], "save_freq": 5, "val_freq": 3,
+                           "resume": "auto", "output_dir": "b", "seed": 2, "resume_if_config_changed": True},
+               "sft": {"lr": 1e-4}, "data": {"new": 1}}  # a key only one version has is not compared
+    assert training_changes(saved, current) == [("algorithm.kl_coef", 0.0, 0.1), ("trainer.seed", 1, 2),
+                                                ("worker.rollout.n", 4, 8)]
+
+
+def test_a_checkpoint_is_not_resumed_under_a_config_that_trains_something_else(setup, uninterrupted, tmp_path):
+    checkpoint = uninterrupted["run"] / "checkpoints" / "global_step_2"
+    run = tmp_path / "other"
+    changed = config(setup, run, resume=str(checkpoint), max_steps=3)
+    changed["algorithm"] = {"kl_coef": 0.5}
+    changed["worker"]["rollout"]["top_p"] = 0.9
+    trainer = GRPOTrainer(config_from_dict(changed))
+    with pytest.raises(ConfigError) as exc:
+        trainer.train()
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"checkpoint {checkpoint} was trained with another config (")
+    assert "algorithm.kl_coef: 0.0 -> 0.5; worker.rollout.top_p: 1.0 -> 0.9)" in msg
+    assert "trainer.resume_if_config_changed=true" in msg
+    assert not run.exists()  # refused before anything was written
+    assert trainer.state.global_step == 0
+
+
+def test_logging_paths_length_and_cadence_may_change_on_resume(setup, uninterrupted, tmp_path, capsys):
+    checkpoint = uninterrupted["run"] / "checkpoints" / "global_step_2"
+    cfg = config(setup, tmp_path / "other", resume=str(checkpoint), max_steps=3, save_freq=-1, logger=["jsonl"],
+                 log_completions=False, experiment_name="another", total_epochs=5, val_freq=7)
+    cfg["worker"]["actor"]["micro_batch_size_per_device_for_update"] = 1
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert "changed config" not in capsys.readouterr().out
+
+
+def test_resume_if_config_changed_resumes_and_names_the_changes(setup, uninterrupted, tmp_path, capsys):
+    checkpoint = uninterrupted["run"] / "checkpoints" / "global_step_2"
+    cfg = config(setup, tmp_path / "other", resume=str(checkpoint), max_steps=3, resume_if_config_changed=True)
+    cfg["worker"]["actor"]["optim"]["lr"] = 1e-3
+    trainer = GRPOTrainer(config_from_dict(cfg))
+    trainer.train()
+    assert trainer.state.global_step == 3
+    out = capsys.readouterr().out
+    assert (f"grouprl: resuming {checkpoint} under a changed config (trainer.resume_if_config_changed): "
+            "worker.actor.optim.lr: 0.01 -> 0.001") in out
+
+
+def test_a_run_resumed_at_its_last_step_says_nothing_is_left(setup, uninterrupted, tmp_path, capsys):
+    checkpoint = uninterrupted["run"] / "checkpoints" / "global_step_4"
+    trainer = GRPOTrainer(config_from_dict(config(setup, tmp_path / "other", resume=str(checkpoint))))
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert (f"grouprl: nothing left to train: checkpoint {checkpoint} is at step 4 and the run ends at step 4 "
+            "(trainer.max_steps); raise it to train on") in capsys.readouterr().out
+
+
+def test_two_easyr1_experiments_sharing_a_checkpoint_path_do_not_resume_each_other(setup, uninterrupted, tmp_path,
+                                                                                    capsys):
+    """EasyR1's find_last_checkpoint (trainer.resume: auto) with another experiment's save_checkpoint_path:
+    `grouprl train` refuses in one line naming the differing key, exit code 2."""
+    from grouprl.cli import main
+
+    cfg = config(setup, tmp_path / "second", seed=6, save_checkpoint_path=str(uninterrupted["run"] / "checkpoints"),
+                 find_last_checkpoint=True)
+    path = tmp_path / "second.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' "Loading weights" bar
+    assert err.startswith("grouprl: config error: checkpoint ")
+    assert "global_step_4 was trained with another config (trainer.seed: 5 -> 6)" in err
+    assert not (tmp_path / "second").exists()

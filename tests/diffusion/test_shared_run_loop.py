@@ -78,3 +78,23 @@ def test_both_trainers_log_shared_keys_alike_and_timings_as_the_slowest_process(
     for name, rate in (("language", "perf/tokens_per_s"), ("flow", "perf/images_per_s")):
         first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
         assert first[rate] > 0 and first["reward/std"] is not None
+
+
+def test_the_flow_trainer_resumes_only_under_its_checkpoints_config(flow_config, tmp_path, capsys):
+    """The loop's resume check holds for the flow trainer too: another algorithm setting is refused in
+    one line naming it; a run already at its last step says nothing is left to train."""
+    from grouprl.config import ConfigError
+
+    plain = {"trainer.max_steps": 1, "trainer.val_freq": -1}
+    FlowGRPOTrainer(flow_config(tmp_path / "run", **plain)).train()
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_1"
+    changed = FlowGRPOTrainer(flow_config(tmp_path / "run", **plain, **{"trainer.resume": "auto",
+                                                                         "algorithm.clip_range": 0.2}))
+    with pytest.raises(ConfigError, match=r"global_step_1 was trained with another config "
+                                          r"\(algorithm\.clip_range: 0\.01 -> 0\.2\)"):
+        changed.train()
+    capsys.readouterr()
+    same = FlowGRPOTrainer(flow_config(tmp_path / "run", **plain, **{"trainer.resume": "auto"}))
+    same.train()
+    assert (f"grouprl: nothing left to train: checkpoint {checkpoint} is at step 1 and the run ends at step 1 "
+            "(trainer.max_steps)") in capsys.readouterr().out

@@ -54,6 +54,7 @@ from grouprl.config import (
     TrainerConfig,
     build_config,
     choices,
+    config_sources,
     read_config_values,
 )
 
@@ -254,7 +255,8 @@ def flow_config_from_dict(values: dict) -> FlowConfig:
 
 def load_flow_config(path=None, overrides: list[str] | None = None, base: dict | None = None) -> FlowConfig:
     values = read_config_values(path, overrides, {"kind": "flow", **(base or {})})
-    return flow_config_from_dict(values)
+    with config_sources(values):  # an error naming a key says where it was set
+        return flow_config_from_dict(values)
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from grouprl.cli import demo_dir
 from grouprl.files import write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
 
@@ -203,13 +204,14 @@ def _summary(pre: _Pretrained, sizes: dict, seed: int, runs: dict[str, dict], **
     }
 
 
-def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, seed: int = 0) -> dict:
-    """Pretrain, evaluate, Flow-GRPO-Fast, evaluate; one table, summary.json, samples.png, reward_curve.png."""
+def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0) -> dict:
+    """Pretrain, evaluate, Flow-GRPO-Fast, evaluate; one table, summary.json, samples.png, reward_curve.png
+    (in ``out``, default runs/demo-flow, runs/demo-flow-quick with ``quick``)."""
     from grouprl.domains.diffusion.images import save_grid
 
     t_start = time.perf_counter()
     console, sizes, out, pre = _start(
-        out, quick, seed, "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
+        demo_dir(out, "runs/demo-flow", quick), quick, seed, "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
     console.rule("[bold]Flow-GRPO-Fast")
     after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
 
@@ -238,15 +240,16 @@ def run_flow_demo(out: str | Path = "runs/demo-flow", *, quick: bool = False, se
     return summary
 
 
-def run_flow_compare(out: str | Path = "runs/demo-flow-compare", *, quick: bool = False, seed: int = 0) -> dict:
+def run_flow_compare(out: str | Path | None = None, *, quick: bool = False, seed: int = 0) -> dict:
     """`grouprl demo --flow --compare`: Flow-GRPO-Fast, then DiffusionNFT for as long as Fast trained, from the
     same pretrained model on the same prompts; one table (held-out reward before and after, training images
     per second), one grid, both reward curves."""
     from grouprl.domains.diffusion.images import save_grid
 
     t_start = time.perf_counter()
-    console, sizes, out, pre = _start(out, quick, seed, "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
-                                                        "DiffusionNFT, the same model, prompts and training time, CPU")
+    console, sizes, out, pre = _start(demo_dir(out, "runs/demo-flow-compare", quick), quick, seed,
+                                      "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
+                                      "DiffusionNFT, the same model, prompts and training time, CPU")
     console.rule(f"[bold]Flow-GRPO-Fast, {sizes['grpo_steps']} steps")
     fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
     console.rule(f"[bold]DiffusionNFT, {fast['seconds']:.0f} s (as long as Flow-GRPO-Fast trained)")

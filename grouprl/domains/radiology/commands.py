@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from grouprl.cli import Command, Demo, UsageError
+from grouprl.cli import Command, Demo, UsageError, demo_dir
 from grouprl.data.formats import FORMATS
 
 
@@ -294,8 +294,8 @@ def run_compare_demo(out: str | None = None, *, quick: bool = False, seed: int =
     from grouprl.domains.radiology.demo import check_seed_dirs, run_compare_seeds, run_demo
 
     if seeds is None:
-        return run_demo(out or "runs/demo", quick=quick, seed=seed, compare=True)
-    out = out or "runs/demo-compare"
+        return run_demo(out, quick=quick, seed=seed, compare=True)
+    out = demo_dir(out, "runs/demo-compare", quick)
     try:  # K >= 1, and no seed directory holds another run's results
         check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)
     except ValueError as exc:

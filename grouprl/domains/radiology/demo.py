@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from grouprl.cli import demo_dir
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
@@ -144,8 +145,9 @@ VARIANTS = {
 
 
 
-def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
-    """The demo; with ``compare`` it trains GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
+def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
+    """The demo (in ``out``, default runs/demo, runs/demo-quick with ``quick``); with ``compare`` it trains
+    GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
     from rich.console import Console
     from rich.table import Table
 
@@ -158,7 +160,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, seed: int = 
 
     console = Console()
     sizes = QUICK if quick else FULL
-    out = Path(out)
+    out = demo_dir(out, "runs/demo", quick)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     t_start = time.perf_counter()
@@ -301,7 +303,7 @@ def plot_seed_intervals(stats: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed: int = 0,
+def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 0,
                       quick: bool = False) -> dict:
     """`run_demo(compare=True)` for seeds seed .. seed+seeds-1 in <out>/seed_<s>/ (a finished seed's
     results are reused), then the table of means and 95% t-intervals, the paired ordering test,
@@ -311,6 +313,7 @@ def run_compare_seeds(out: str | Path = "runs/demo-compare", *, seeds: int, seed
 
     from grouprl.trainer.seed_stats import summarize_seeds
 
+    out = demo_dir(out, "runs/demo-compare", quick)
     statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)
     console = Console()
     sizes = QUICK if quick else FULL

@@ -257,11 +257,14 @@ def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
     return out
 
 
-def run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = False, seed: int = 0,
+def run_guided_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0,
                     seeds: int | None = None) -> dict:
     """SFT, then GRPO and Guided-GRPO from the same SFT model; one table, summary.json, one plot.
     With ``seeds`` K: that run for seeds seed .. seed+K-1 in <out>/seed_<s>/ and the statistics
-    over them (``run_guided_seeds``)."""
+    over them (``run_guided_seeds``). Default ``out``: runs/demo-guided (runs/demo-guided-quick with ``quick``)."""
+    from grouprl.cli import demo_dir
+
+    out = demo_dir(out, "runs/demo-guided", quick)
     if seeds is not None:
         from grouprl.cli import UsageError
 
