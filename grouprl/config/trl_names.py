@@ -49,8 +49,8 @@ TRL_NAMES: tuple[TRLName, ...] = (
     TRLName("chat_template_kwargs", "data.chat_template_kwargs"),
     # ---------------------------------------------------------------- the objective
     TRLName("beta", "algorithm.kl_coef", "with algorithm.use_kl_loss: true for TRL's KL loss",
-            "TRL's KL is k3; grouprl's default `low_var_kl` is k3 clipped to [-10, 10] (`kl_penalty: k3` for "
-            "none); `use_kl_loss: false` puts the KL in the reward instead"),
+            "TRL's KL is k3; grouprl's default `low_var_kl` is k3 clipped to [-10, 10] (`kl_penalty: k3` names "
+            "the same clipped estimator); `use_kl_loss: false` puts the KL in the reward instead"),
     TRLName("epsilon", "worker.actor.clip_ratio_low", differs="TRL's `epsilon` is both ends unless `epsilon_high`"),
     TRLName("epsilon_high", "worker.actor.clip_ratio_high", differs="grouprl's default is 0.3, TRL's `epsilon` (0.2)"),
     TRLName("delta", "worker.actor.clip_ratio_dual"),

@@ -57,6 +57,14 @@ def test_the_trl_table_names_real_trl_fields_and_grouprl_keys():
     assert all(f"| `{e.trl}` | `{e.key}` |" in table for e in TRL_NAMES)
 
 
+def test_the_docs_trl_table_is_the_codes():
+    """docs/training.md shows the table the errors read, not a second copy that can drift."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    assert markdown_table().strip() in docs
+
+
 def write(tmp_path, text: str, name: str = "c.yaml"):
     path = tmp_path / name
     path.write_text(text)
