@@ -1,4 +1,4 @@
-"""`grouprl demo --quick` runs the whole pipeline and writes its outputs (the full demo's gain is in the README)."""
+"""`grouprl demo --quick` runs the whole pipeline and writes its outputs (the full demo's gain is in docs/demos.md)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""`grouprl demo --guided --quick`: GRPO and Guided-GRPO from one SFT model, compared (the full demo's numbers are in the README)."""
+"""`grouprl demo --guided --quick`: GRPO and Guided-GRPO from one SFT model, compared (the full demo's numbers are in docs/demos.md)."""
 
 import json
 import math

@@ -40,7 +40,7 @@ GUIDED_QUICK_NOTE = (f"--quick is the demo made small ({GUIDED_QUICK['train']} p
                      f"{GUIDED_QUICK['val']} held-out problems), so a difference of a few problems between rows is "
                      "noise. The full run (grouprl demo --guided, about 10 minutes on 2 CPU cores) does the same on "
                      "500 held-out problems; over two seeds (--seeds 2) neither RL method beats the SFT model or "
-                     "the other beyond the noise (see the README).")
+                     "the other beyond the noise (see docs/demos.md).")
 GUIDED_REWARD = "guided"  # 0.8 accuracy + 0.1 format + 0.1 verifier hallucination score (0.5 without a verifier)
 GUIDED_MAX_TURNS = 3
 GUIDED_MODEL = dict(hidden_size=128, layers=4, heads=4, kv_heads=2, vocab_size=512)
