@@ -110,7 +110,7 @@ def _anticipated() -> tuple[tuple[type[BaseException], str, int], ...]:
     from grouprl.config import ConfigError
     from grouprl.data.formats import DataError
     from grouprl.data.images import ImageError
-    from grouprl.errors import MissingExtra, ModelPathError
+    from grouprl.errors import CheckpointSaveError, MissingExtra, ModelPathError, OutputError
     from grouprl.rewards import RewardError, RewardLoadError, UnscoredError
 
     return (
@@ -124,6 +124,11 @@ def _anticipated() -> tuple[tuple[type[BaseException], str, int], ...]:
         (RewardError, "reward error: ", 2),
         (RewardLoadError, "reward error: ", 2),
         (ModelPathError, "model error: ", 2),
+        # a checkpoint the disk would not take (full, a quota): the command was right, the run failed;
+        # the previous checkpoint is intact, a run resumes from it once there is room
+        (CheckpointSaveError, "checkpoint error: ", 1),
+        # an output directory that cannot be written (read-only, a file in the way), found before any model loads
+        (OutputError, "output error: ", 2),
         (MissingExtra, "missing package: ", 2),
     )
 
@@ -340,6 +345,10 @@ def cmd_demo(args) -> int:
         name = defaults[0]
     options = {dest: getattr(args, dest) for dest, (owners, _, _) in args.demo_options.items() if name in owners}
     out = {"out": args.out} if args.out else {}
+    if args.out:  # before the demo builds anything
+        from grouprl.files import check_writable_dir
+
+        check_writable_dir(args.out, "demo's run directory (--out)")
     resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
     return 0
 

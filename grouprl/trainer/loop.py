@@ -46,13 +46,22 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.config import redacted, save_config
-from grouprl.files import write_text_atomic
+from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
 from grouprl.trainer.reward_metrics import UnscoredSteps
 from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
+
+
+def check_output_dirs(config) -> None:
+    """The run directory and the checkpoint directory can be created and written to
+    (:func:`~grouprl.files.check_writable_dir`): called where a trainer is built, before its
+    model loads, so that a read-only or mistyped output path is one line naming it, not an error
+    found after the load (or at the first checkpoint)."""
+    check_writable_dir(config.run_dir, "run directory ('trainer.output_dir')")
+    check_writable_dir(config.checkpoint_dir, "checkpoint directory ('trainer.save_checkpoint_path')")
 
 
 @dataclass
