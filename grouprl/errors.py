@@ -8,7 +8,7 @@
   ``FileNotFoundError``.
 - :class:`OutputError`: an output directory grouprl cannot write to (read-only, a file in
   the way, no permission), found before any model is loaded; :class:`CheckpointSaveError`:
-  a checkpoint that could not be written (a full disk). ``OSError``\ s.
+  a checkpoint that could not be written (a full disk). Both ``OSError`` subclasses.
 
 `grouprl` (:func:`grouprl.cli.main`) prints either as one line on stderr and exits with
 status 2; ``grouprl --debug`` shows the traceback instead.
