@@ -175,6 +175,7 @@ class TrainingLoop(abc.ABC):
         self.last_step: StepResult | None = None  # the last training step's result
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
+        self.unscored: UnscoredSteps | None = None  # which steps of the last ``train`` had no row scored
 
     # ------------------------------------------------------------------ hooks
 
@@ -347,7 +348,7 @@ class TrainingLoop(abc.ABC):
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
-        unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
+        unscored = self.unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
         try:
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
