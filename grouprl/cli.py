@@ -144,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     not a traceback (``--debug``, anywhere on the line: the traceback); so is a run stopped because
     no reward applied (exit code 1: the command was right, the run failed); a run stopped by a
     signal exits with 128 + its number. Any other error is a bug, and keeps its traceback."""
+    from grouprl import streams
     from grouprl.trainer.signals import TrainingStopped
 
+    streams.install()  # a console whose pipe closed (`| tee`, ended by the same Ctrl-C) must not end the run
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is global but may come anywhere before a "--" (grouprl train c.yaml --debug)
     end = argv.index("--") if "--" in argv else len(argv)
