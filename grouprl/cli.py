@@ -33,6 +33,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from grouprl.registry import Registry, resolve
@@ -256,6 +257,38 @@ class Demo:
     combined: Mapping[str, Callable[..., Any] | str] = field(default_factory=dict)
 
 
+# what a demo's run directory records of the run that made it (hidden: listings of results leave it out)
+DEMO_RUN_FILE = ".demo_run.json"
+# how the line naming a demo's stop checkpoint says to go on
+DEMO_RESUME_HINT = "run the same grouprl demo command again to resume"
+
+
+def demo_resumes(out: str | Path, settings: Mapping[str, Any], stages: Sequence[str | Path] = ()) -> bool:
+    """Whether ``out`` holds an earlier run of a demo with the same ``settings`` (the demo, its seed and
+    sizes), stopped or finished, which this run then continues: it reuses the stages that finished
+    (an SFT model is written whole or not at all) and its RL runs resume from their last checkpoint
+    (``trainer.resume: auto``). Anything else (a new directory, one of other settings or of an older
+    grouprl) is a fresh start, as before: the ``stages`` this run would take up (an SFT model, the
+    RL runs' checkpoint directories) are deleted first, since they belong to another run. Records
+    ``settings`` for the next run either way."""
+    import json
+    import shutil
+
+    from grouprl.files import write_text_atomic
+
+    record = Path(out) / DEMO_RUN_FILE
+    wanted = json.loads(json.dumps(dict(settings), sort_keys=True))
+    try:
+        earlier = json.loads(record.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if earlier != wanted:
+        for stage in stages:
+            shutil.rmtree(stage, ignore_errors=True)
+    write_text_atomic(record, json.dumps(wanted, indent=2, sort_keys=True))
+    return earlier == wanted
+
+
 def _check_demo(name: str, demo: Any) -> None:
     if not isinstance(demo, Demo):
         raise TypeError(f"demo {name!r} is {demo!r}, not a grouprl.cli.Demo")
@@ -354,7 +387,14 @@ def cmd_demo(args) -> int:
         from grouprl.files import check_writable_dir
 
         check_writable_dir(args.out, "demo's run directory (--out)")
-    resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
+    try:
+        resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
+    except KeyboardInterrupt:  # Ctrl-C outside a training run (data, SFT, evaluation): what finished is kept
+        from grouprl.trainer.signals import exit_status
+
+        print(f"grouprl: demo interrupted (SIGINT); the stages that finished are kept: {DEMO_RESUME_HINT}",
+              file=sys.stderr)
+        return exit_status(signal.SIGINT)
     return 0
 
 

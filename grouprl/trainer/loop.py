@@ -176,6 +176,7 @@ class TrainingLoop(abc.ABC):
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
         self.unscored: UnscoredSteps | None = None  # which steps of the last ``train`` had no row scored
+        self.resume_hint = "resume with trainer.resume=auto"  # the stop line's advice (a demo: run it again)
 
     # ------------------------------------------------------------------ hooks
 
@@ -411,7 +412,7 @@ class TrainingLoop(abc.ABC):
             path = (self.config.checkpoint_dir / f"global_step_{step}").resolve()
             stop.checkpoint_written = path
         if self.is_main:
-            where = (f"checkpoint {path} (resume with trainer.resume=auto)" if path is not None
+            where = (f"checkpoint {path} ({self.resume_hint})" if path is not None
                      else "no step was trained, no checkpoint written")
             print(f"grouprl: stopped by {signal_name(signum)} after step {step}: {where}", flush=True)
         raise TrainingStopped(signum, step, path)

@@ -217,7 +217,7 @@ CASES = {
     "flow: run directory under a file": (["train", "{root}/flow.yaml", "trainer.output_dir={root}/afile/flow"], (), 2,
                                          ["grouprl: output error: ", "{root}/afile/flow", "{root}/afile is a file"]),
     "sft: run directory under a file": (["sft", "{root}/good.yaml", "trainer.output_dir={root}/afile/run"], (), 2,
-                                        ["grouprl: output error: ", "SFT output directory {root}/afile/run/sft_model"]),
+                                        ["grouprl: output error: ", "directory of the SFT model {root}/afile/run"]),
     "demo --out under a file": (["demo", "--quick", "--out", "{root}/afile/demo"], (), 2,
                                 ["grouprl: output error: cannot write to the demo's run directory (--out) "
                                  "{root}/afile/demo: {root}/afile is a file"]),
