@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from grouprl.files import write_text_atomic
+from grouprl.files import follow_umask, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
@@ -130,6 +130,7 @@ class _Pretrained:
             shutil.rmtree(self.path)
         shutil.copytree(init, self.path)
         model.transformer.save_pretrained(self.path / "transformer")
+        follow_umask(self.path)  # safetensors writes 0600 files
         console.print(f"loss {self.losses[0]:.3f} -> {self.loss_last20:.3f} (mean of the last 20 steps)")
         self.result = evaluate(model, self.held_out, seed=seed + 3)
 
