@@ -20,10 +20,19 @@ Under `accelerate launch -m grouprl ...` the same commands run on several proces
 signal's number (143, 130; see ``trainer.save_on_signal``).
 
 An anticipated error (a bad config, data or YAML file, an unknown, missing or failing reward, a
-missing model path, a checkpoint where a model is expected or the reverse, an optional package
-not installed) is one line on stderr naming what is wrong, and exit code 2; `grouprl --debug ...`
-shows its traceback instead. Any other error is a bug and keeps its traceback. `grouprl --version`
-prints the version.
+missing model path or a directory with no model in it, a checkpoint where a model is expected or
+the reverse, an output directory that cannot be written, an optional package not installed) is
+one line on stderr naming what is wrong, and exit code 2; `grouprl --debug ...` shows its
+traceback instead. A run that failed although the command was right exits with code 1 and one
+line: no step of it had a scored row, or a checkpoint could not be written (a full disk; the
+previous checkpoint stays intact). Any other error is a bug and keeps its traceback.
+`grouprl --version` prints the version.
+
+Ctrl-C during `grouprl demo` is one line and exit code 130; the same command run again continues
+the run: finished stages are reused and training resumes from its checkpoint.
+
+A closed stdout or stderr (`| tee` ended by the same Ctrl-C, `| head`) never ends a command:
+``main`` puts ``grouprl.streams`` in front of both, and output nobody can read goes nowhere.
 """
 
 from __future__ import annotations
