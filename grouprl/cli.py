@@ -204,7 +204,8 @@ def cmd_train(args) -> int:
         return exit_status(signal.SIGINT)
     if trainer.is_main:
         print(f"run directory: {config.run_dir.resolve()}")
-    nothing_trained = trainer.unscored.run_error() if trainer.unscored is not None else None
+    unscored = getattr(trainer, "unscored", None)  # a registered trainer kind need not be a TrainingLoop
+    nothing_trained = unscored.run_error() if unscored is not None else None
     if nothing_trained is not None:  # every step's loss was zero: a finished run that is still a failure
         raise nothing_trained
     return 0
