@@ -396,7 +396,7 @@ def cmd_demo(args) -> int:
     if args.out:  # before the demo builds anything
         from grouprl.files import check_writable_dir
 
-        check_writable_dir(args.out, "demo's run directory (--out)")
+        check_writable_dir(args.out, "demo's run directory (--out)", create=False)
     try:
         resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
     except KeyboardInterrupt:  # Ctrl-C outside a training run (data, SFT, evaluation): what finished is kept

@@ -17,6 +17,7 @@ or record at fault.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -115,20 +116,28 @@ def _in_the_way(path: Path) -> Path | None:
     return None
 
 
-def check_writable_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
+def check_writable_dir(path: str | os.PathLike, what: str = "output directory", *, create: bool = True) -> Path:
     """Create the directory ``path`` (with its parents) and write and remove a small file in it.
 
     Run before anything slow (a model loading), so that a read-only file system, a file where
     the directory should be or a missing permission is an :class:`~grouprl.errors.OutputError`
     naming ``what``, the path and the operating system's reason, not a traceback once the
     model has loaded. The probe file is hidden (``.grouprl-write-probe.<random>``); returns ``path``.
+    ``create`` False: a missing ``path`` is not made; the probe goes to its nearest existing
+    parent instead (for a command that may still refuse its arguments, and should then leave nothing).
     """
     from grouprl.errors import OutputError
 
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".grouprl-write-probe.{secrets.token_hex(4)}"
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+            where = path
+        else:
+            where = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+            if not where.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
+        probe = where / f".grouprl-write-probe.{secrets.token_hex(4)}"
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             os.write(fd, b"grouprl")
