@@ -20,10 +20,19 @@ Under `accelerate launch -m grouprl ...` the same commands run on several proces
 signal's number (143, 130; see ``trainer.save_on_signal``).
 
 An anticipated error (a bad config, data or YAML file, an unknown, missing or failing reward, a
-missing model path, a checkpoint where a model is expected or the reverse, an optional package
-not installed) is one line on stderr naming what is wrong, and exit code 2; `grouprl --debug ...`
-shows its traceback instead. Any other error is a bug and keeps its traceback. `grouprl --version`
-prints the version.
+missing model path or a directory with no model in it, a checkpoint where a model is expected or
+the reverse, an output directory that cannot be written, a checkpoint the disk would not take (a
+full disk; the previous checkpoint stays intact), an optional package not installed) is one line
+on stderr naming what is wrong, and exit code 2; `grouprl --debug ...` shows its traceback
+instead. A run that failed although the command was right (no step of it had a scored row)
+exits with code 1 and one line. Any other error is a bug and keeps its traceback.
+`grouprl --version` prints the version.
+
+Ctrl-C during `grouprl demo` is one line and exit code 130; the same command run again continues
+the run: finished stages are reused and training resumes from its checkpoint.
+
+A closed stdout or stderr (`| tee` ended by the same Ctrl-C, `| head`) never ends a command:
+``main`` puts ``grouprl.streams`` in front of both, and output nobody can read goes nowhere.
 """
 
 from __future__ import annotations
@@ -114,7 +123,7 @@ def _anticipated() -> tuple[tuple[type[BaseException], str, int], ...]:
     from grouprl.config import ConfigError
     from grouprl.data.formats import DataError
     from grouprl.data.images import ImageError
-    from grouprl.errors import MissingExtra, ModelPathError
+    from grouprl.errors import CheckpointSaveError, MissingExtra, ModelPathError, OutputError
     from grouprl.rewards import RewardError, RewardLoadError, UnscoredError
 
     return (
@@ -128,6 +137,11 @@ def _anticipated() -> tuple[tuple[type[BaseException], str, int], ...]:
         (RewardError, "reward error: ", 2),
         (RewardLoadError, "reward error: ", 2),
         (ModelPathError, "model error: ", 2),
+        # a checkpoint the disk would not take (full, a quota): like an unwritable output directory, the
+        # machine needs fixing, not grouprl; the previous checkpoint is intact, a run resumes from it
+        (CheckpointSaveError, "checkpoint error: ", 2),
+        # an output directory that cannot be written (read-only, a file in the way), found before any model loads
+        (OutputError, "output error: ", 2),
         (MissingExtra, "missing package: ", 2),
     )
 
@@ -143,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     not a traceback (``--debug``, anywhere on the line: the traceback); so is a run stopped because
     no reward applied (exit code 1: the command was right, the run failed); a run stopped by a
     signal exits with 128 + its number. Any other error is a bug, and keeps its traceback."""
+    from grouprl import streams
     from grouprl.trainer.signals import TrainingStopped
 
+    streams.install()  # a console whose pipe closed (`| tee`, ended by the same Ctrl-C) must not end the run
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is global but may come anywhere before a "--" (grouprl train c.yaml --debug)
     end = argv.index("--") if "--" in argv else len(argv)
@@ -255,6 +271,10 @@ def cmd_train(args) -> int:
         return exit_status(signal.SIGINT)
     if trainer.is_main:
         print(f"run directory: {config.run_dir.resolve()}")
+    unscored = getattr(trainer, "unscored", None)  # a registered trainer kind need not be a TrainingLoop
+    nothing_trained = unscored.run_error() if unscored is not None else None
+    if nothing_trained is not None:  # every step's loss was zero: a finished run that is still a failure
+        raise nothing_trained
     return 0
 
 
@@ -324,6 +344,38 @@ def demo_dir(out: str | os.PathLike | None, default: str, quick: bool) -> Path:
     if out is not None:
         return Path(out)
     return Path(default + QUICK_SUFFIX if quick else default)
+
+
+# what a demo's run directory records of the run that made it (hidden: listings of results leave it out)
+DEMO_RUN_FILE = ".demo_run.json"
+# how the line naming a demo's stop checkpoint says to go on
+DEMO_RESUME_HINT = "run the same grouprl demo command again to resume"
+
+
+def demo_resumes(out: str | Path, settings: Mapping[str, Any], stages: Sequence[str | Path] = ()) -> bool:
+    """Whether ``out`` holds an earlier run of a demo with the same ``settings`` (the demo, its seed and
+    sizes), stopped or finished, which this run then continues: it reuses the stages that finished
+    (an SFT model is written whole or not at all) and its RL runs resume from their last checkpoint
+    (``trainer.resume: auto``). Anything else (a new directory, one of other settings or of an older
+    grouprl) is a fresh start, as before: the ``stages`` this run would take up (an SFT model, the
+    RL runs' checkpoint directories) are deleted first, since they belong to another run. Records
+    ``settings`` for the next run either way."""
+    import json
+    import shutil
+
+    from grouprl.files import write_text_atomic
+
+    record = Path(out) / DEMO_RUN_FILE
+    wanted = json.loads(json.dumps(dict(settings), sort_keys=True))
+    try:
+        earlier = json.loads(record.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if earlier != wanted:
+        for stage in stages:
+            shutil.rmtree(stage, ignore_errors=True)
+    write_text_atomic(record, json.dumps(wanted, indent=2, sort_keys=True))
+    return earlier == wanted
 
 
 def _check_demo(name: str, demo: Any) -> None:
@@ -422,7 +474,18 @@ def cmd_demo(args) -> int:
         name = defaults[0]
     options = {dest: getattr(args, dest) for dest, (owners, _, _) in args.demo_options.items() if name in owners}
     out = {"out": args.out} if args.out else {}
-    resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
+    if args.out:  # before the demo builds anything
+        from grouprl.files import check_writable_dir
+
+        check_writable_dir(args.out, "demo's run directory (--out)", create=False)
+    try:
+        resolve(run or demos[name].run)(**out, quick=args.quick, seed=args.seed, **options)
+    except KeyboardInterrupt:  # Ctrl-C outside a training run (data, SFT, evaluation): what finished is kept
+        from grouprl.trainer.signals import exit_status
+
+        print(f"grouprl: demo interrupted (SIGINT); the stages that finished are kept: {DEMO_RESUME_HINT}",
+              file=sys.stderr)
+        return exit_status(signal.SIGINT)
     return 0
 
 

@@ -6,6 +6,9 @@
 - :class:`ModelPathError`: a model path that holds no model (missing, or a grouprl
   checkpoint or run directory where a model directory was expected). A
   ``FileNotFoundError``.
+- :class:`OutputError`: an output directory grouprl cannot write to (read-only, a file in
+  the way, no permission), found before any model is loaded; :class:`CheckpointSaveError`:
+  a checkpoint that could not be written (a full disk). Both ``OSError`` subclasses.
 
 `grouprl` (:func:`grouprl.cli.main`) prints either as one line on stderr and exits with
 status 2; ``grouprl --debug`` shows the traceback instead.
@@ -64,3 +67,21 @@ class ModelPathError(FileNotFoundError):
 
     def __str__(self) -> str:  # FileNotFoundError's own __str__ shows errno/filename fields we do not set
         return self.args[0]
+
+
+class OutputError(OSError):
+    """A directory grouprl must write to that it cannot (read-only, a file in the way, no permission,
+    a full disk), found before the run started: names the path and the operating system's reason."""
+
+    def __init__(self, message: str, path: str, errno_: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.errno_ = errno_
+
+    def __str__(self) -> str:  # OSError's own __str__ would show errno/filename fields we do not set
+        return self.args[0]
+
+
+class CheckpointSaveError(OutputError):
+    """A checkpoint that could not be written (a full disk, a quota): the checkpoint path and the
+    reason. Nothing of it looks complete, and the previous checkpoint stays usable."""

@@ -17,6 +17,7 @@ or record at fault.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -105,6 +106,56 @@ def _create_beside(path: Path) -> tuple[int, Path]:
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def _in_the_way(path: Path) -> Path | None:
+    """The nearest of ``path`` and its parents that exists and is not a directory, if any."""
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "output directory", *, create: bool = True) -> Path:
+    """Create the directory ``path`` (with its parents) and write and remove a small file in it.
+
+    Run before anything slow (a model loading), so that a read-only file system, a file where
+    the directory should be or a missing permission is an :class:`~grouprl.errors.OutputError`
+    naming ``what``, the path and the operating system's reason, not a traceback once the
+    model has loaded. The probe file is hidden (``.grouprl-write-probe.<random>``); returns ``path``.
+    ``create`` False: a missing ``path`` is not made; the probe goes to its nearest existing
+    parent instead (for a command that may still refuse its arguments, and should then leave nothing).
+    """
+    from grouprl.errors import OutputError
+
+    path = Path(path)
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+            where = path
+        else:
+            where = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+            if not where.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
+        probe = where / f".grouprl-write-probe.{secrets.token_hex(4)}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            os.write(fd, b"grouprl")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        blocker = _in_the_way(path)
+        if blocker is not None:
+            reason = (f"{blocker} is a file, not a directory" if blocker == path
+                      else f"{blocker} is a file, so no directory can be made under it")
+        else:
+            reason = exc.strerror or str(exc)
+            if exc.filename and Path(exc.filename) != path:
+                reason = f"{reason}: {exc.filename}"
+        raise OutputError(f"cannot write to the {what} {path}: {reason}", str(path), exc.errno) from exc
+    return path
 
 
 def follow_umask(root: str | os.PathLike) -> None:

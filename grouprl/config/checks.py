@@ -6,6 +6,7 @@ when a config is checked, not when this module is imported.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from grouprl.config.schema import Config, ConfigError
@@ -22,8 +23,10 @@ def _check_name(key: str, value: str, registry) -> None:
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
+    """``value`` > 0 (``allow_zero``: >= 0) and finite: written so that NaN fails too (``nan < 0`` is false),
+    and no size, rate or coefficient means anything at infinity."""
+    if not (math.isfinite(value) and (value > 0 or (value == 0 and allow_zero))):
+        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'} and finite; got {value}")
 
 
 def validate(config: Config) -> None:
@@ -49,10 +52,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'worker.rollout.n' is {rollout.n}, but algorithm.adv_estimator "
                           f"'{algo.adv_estimator}' compares each response with the others of its group: with one "
                           "response per prompt every advantage is 0 and nothing trains; set n >= 2")
-    if rollout.temperature <= 0:
+    if not (rollout.temperature > 0 and math.isfinite(rollout.temperature)):
         # the loss scores sampled tokens at the sampling temperature; greedy rollouts have none
         # (and give every response of a group the same text, so no group-relative signal)
-        raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 for training rollouts; "
+        raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 and finite for training rollouts; "
                           f"got {rollout.temperature} (greedy decoding is for validation: worker.rollout.val_temperature)")
     _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
     if not 0 < rollout.top_p <= 1:

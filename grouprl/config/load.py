@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import difflib
 import os
 import re
@@ -185,6 +186,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _not_nan(number: float, key: str) -> float:
+    """``number``, unless NaN: no setting means "not a number", and NaN passes every range check
+    (``nan < 0`` and ``nan >= 0`` are both false), so it is refused here, once for every key.
+    Infinity is a value (a timeout, a norm that never clips); the range checks refuse it where it is not."""
+    if math.isnan(number):
+        raise ConfigError(f"config key '{key}' expects a number, got nan")
+    return number
+
+
 def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -237,11 +247,13 @@ def _coerce(value: Any, tp: Any, key: str, choices: tuple | None = None) -> Any:
             # YAML reads 1e-6 as a string (no dot); accept what float() accepts
             if isinstance(value, str):
                 try:
-                    return float(value)
+                    number = float(value)
                 except ValueError:
                     pass
+                else:
+                    return _not_nan(number, key)
             raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
-        return float(value)
+        return _not_nan(float(value), key)
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"config key '{key}' expects a string, got {value!r}")

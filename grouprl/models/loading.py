@@ -77,8 +77,8 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def not_a_model(path: str | Path) -> ModelPathError | None:
-    """Why ``path`` cannot be a model directory (missing, a grouprl checkpoint or run directory),
-    or None when it may be one (a directory with a config.json, or a hub id)."""
+    """Why ``path`` cannot be a model directory (missing, a grouprl checkpoint or run directory, a
+    directory without config.json), or None when it may be one (a directory with a config.json, or a hub id)."""
     path = str(path)
     local = Path(path).expanduser()
     if not local.exists():
@@ -92,7 +92,11 @@ def not_a_model(path: str | Path) -> ModelPathError | None:
     if checkpoints:
         return ModelPathError(f"{path} is a grouprl run directory, not a model directory; export one of its "
                               f"checkpoints first: grouprl export {checkpoints[-1]} --out merged/", path)
-    return None
+    # every model grouprl loads is read through AutoConfig, which needs config.json
+    held = sorted(p.name for p in local.iterdir())
+    what = "it is empty" if not held else f"it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}"
+    return ModelPathError(f"model path {path} has no config.json, so it is not a Hugging Face model directory "
+                          f"({what})", path)
 
 
 def _from_path(loader, path: str, what: str, **kwargs):
@@ -103,10 +107,12 @@ def _from_path(loader, path: str, what: str, **kwargs):
         raise problem
     try:
         return loader(str(local) if local.exists() else path, **kwargs)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         # the first line of transformers' message says what is missing; the rest is advice about URLs
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if local.exists():
+        if isinstance(exc, ValueError) and not local.exists():
+            raise
+        if local.exists():  # a ValueError too: a config.json transformers cannot read (no model_type)
             raise ModelPathError(f"could not load the {what} from {path!r}: {reason}", path) from exc
         raise ModelPathError(
             f"{path!r} is not a local directory, and the {what} is neither in the Hugging Face cache nor "

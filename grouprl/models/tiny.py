@@ -23,6 +23,8 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
+from grouprl.files import follow_umask
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -284,6 +286,7 @@ def build_tiny_vlm(
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_model(model, out_dir, save_dtype)
     processor.save_pretrained(out_dir)
+    follow_umask(out_dir)  # safetensors writes 0600 files
     return out_dir
 
 
@@ -337,4 +340,5 @@ def build_tiny_text_lm(
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_model(model, out_dir, save_dtype)
     tokenizer.save_pretrained(out_dir)
+    follow_umask(out_dir)  # safetensors writes 0600 files
     return out_dir

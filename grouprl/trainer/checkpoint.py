@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from grouprl.config import ConfigError
+from grouprl.errors import CheckpointSaveError
 from grouprl.files import follow_umask, fsync_dir, write_text_atomic
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -567,6 +569,24 @@ def _prune(root: Path, save_limit: int, keep: Path) -> None:
             _remove_tree(trash)
 
 
+def _remove_tree_quietly(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_failed(final: Path, root: Path, exc: BaseException) -> CheckpointSaveError:
+    """The one-line error of a checkpoint the disk would not take: its path, the system's reason, and
+    the checkpoint a resumed run starts from instead."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if (getattr(exc, "errno", None) == errno.ENOSPC or "StorageFull" in str(exc)
+            or "No space left on device" in str(exc)):  # safetensors says it in its own message
+        reason = "no space left on device"
+    previous = [path for _, path in step_dirs(root)]
+    kept = (f"the previous checkpoint {previous[-1]} is intact (trainer.resume=auto resumes from it)" if previous
+            else "no earlier checkpoint exists")
+    return CheckpointSaveError(f"could not write checkpoint {final}: {reason}; nothing of it was kept, {kept}",
+                               str(final), exc.errno if isinstance(exc, OSError) else None)
+
+
 def save_checkpoint(
     root: Path,
     state: TrainerState,
@@ -585,15 +605,21 @@ def save_checkpoint(
     gathers it on the main process first, see ``parallel.full_state_dicts``), as is
     ``model_state_dict`` for a sharded model. ``rng_states`` holds every process's
     ``rng_state()``, in process order (default: this process's).
-    A kill at any point leaves step N complete, as the previous save or as this one.
+    A kill at any point leaves step N complete, as the previous save or as this one. A write that
+    fails (a full disk) removes what it wrote and raises :class:`~grouprl.errors.CheckpointSaveError`
+    naming the checkpoint and the reason; the checkpoints already on disk are untouched.
     """
     root.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(root)
     final = root / f"global_step_{state.global_step}"
     tmp = root / f".global_step_{state.global_step}.tmp"
     aside = root / f".global_step_{state.global_step}.old"
-    _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
-    follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
+    try:
+        _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+        follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
+    except (OSError, SafetensorError) as exc:  # a full disk, a quota: safetensors reports it as its own error
+        _remove_tree_quietly(tmp)  # never complete (the mark is written last), so never promoted; the space back
+        raise _save_failed(final, root, exc) from exc
     # a re-saved step is moved aside, not deleted: between the two renames it still exists
     replacing = final.exists()
     if replacing:

@@ -29,7 +29,7 @@ from grouprl.config import ActorConfig, Config, ConfigError
 from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
-from grouprl.trainer.loop import StepResult, TrainingLoop
+from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.parallel import full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
@@ -264,6 +264,7 @@ class GRPOTrainer(TrainingLoop):
         from grouprl.data import load_datasets
 
         t, actor, roll = config.trainer, config.worker.actor, config.worker.rollout
+        check_output_dirs(config)  # before the data and the model load
         set_seed(t.seed)  # before the policy is built: LoRA adapters are initialised at random
         if train_dataset is None:
             train_dataset, loaded_val = load_datasets(config.data)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.config import redacted, save_config
-from grouprl.files import write_text_atomic
+from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
@@ -61,6 +61,15 @@ from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
 
 
 _CHOOSE = object()  # TrainingLoop.resume's default: the checkpoint trainer.resume names
+
+
+def check_output_dirs(config) -> None:
+    """The run directory and the checkpoint directory can be created and written to
+    (:func:`~grouprl.files.check_writable_dir`): called where a trainer is built, before its
+    model loads, so that a read-only or mistyped output path is one line naming it, not an error
+    found after the load (or at the first checkpoint)."""
+    check_writable_dir(config.run_dir, "run directory ('trainer.output_dir')")
+    check_writable_dir(config.checkpoint_dir, "checkpoint directory ('trainer.save_checkpoint_path')")
 
 
 @dataclass
@@ -174,6 +183,8 @@ class TrainingLoop(abc.ABC):
         self.last_step: StepResult | None = None  # the last training step's result
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
+        self.unscored: UnscoredSteps | None = None  # which steps of the last ``train`` had no row scored
+        self.resume_hint = "resume with trainer.resume=auto"  # the stop line's advice (a demo: run it again)
 
     # ------------------------------------------------------------------ hooks
 
@@ -371,7 +382,7 @@ class TrainingLoop(abc.ABC):
         writers = self._open_writers(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
-        unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
+        unscored = self.unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
         try:
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
@@ -434,7 +445,7 @@ class TrainingLoop(abc.ABC):
             path = (self.config.checkpoint_dir / f"global_step_{step}").resolve()
             stop.checkpoint_written = path
         if self.is_main:
-            where = (f"checkpoint {path} (resume with trainer.resume=auto)" if path is not None
+            where = (f"checkpoint {path} ({self.resume_hint})" if path is not None
                      else "no step was trained, no checkpoint written")
             print(f"grouprl: stopped by {signal_name(signum)} after step {step}: {where}", flush=True)
         raise TrainingStopped(signum, step, path)

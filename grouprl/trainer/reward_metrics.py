@@ -78,11 +78,15 @@ class UnscoredSteps:
     def __init__(self, rewards: Sequence[str], *, fail: bool, warn: bool):
         self.rewards, self.fail, self.warn = list(rewards), fail, warn
         self.warned = False
+        self.steps: list[int] = []  # the steps checked, and of them the unscored ones
+        self.unscored: list[int] = []
 
     def check(self, step: int, values: Mapping[str, float]) -> None:
         """``values``: step ``step``'s metrics, reduced over every process."""
+        self.steps.append(step)
         if values.get(UNSCORED_STEPS) != 1.0:
             return
+        self.unscored.append(step)
         # None from every reward, or an on_error: none reward that failed: either way nothing applied
         what = f"step {step}: no row was scored (no reward applied to any row: {', '.join(self.rewards)})"
         if self.fail:
@@ -91,3 +95,12 @@ class UnscoredSteps:
             self.warned = True
             logger.warning("%s; the step trained on nothing. Further such steps are counted in %s "
                            "(set trainer.fail_on_unscored_steps to stop instead)", what, UNSCORED_STEPS)
+
+    def run_error(self) -> UnscoredError | None:
+        """An :class:`~grouprl.rewards.UnscoredError` when every step checked was unscored: the run
+        trained on nothing at all (``grouprl train`` exits with code 1); None otherwise."""
+        if not self.steps or self.unscored != self.steps:
+            return None
+        span = f"step {self.steps[0]}" if len(self.steps) == 1 else f"steps {self.steps[0]}-{self.steps[-1]}"
+        return UnscoredError(f"no row of any step was scored ({span}; no reward applied: {', '.join(self.rewards)}): "
+                             "the run trained on nothing")

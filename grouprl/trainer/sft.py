@@ -16,6 +16,7 @@ import torch
 from grouprl import algorithms
 from grouprl.config import Config, ConfigError, redacted, save_config
 from grouprl.data.sample import Sample
+from grouprl.files import check_writable_dir
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.trainer.logging import MetricsLogger
 from grouprl.trainer.metrics import StepMetrics
@@ -78,6 +79,7 @@ def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None
     if train_dataset is None:
         train_dataset, _ = load_datasets(config.data)
     out = Path(output_dir or config.run_dir / "sft_model")
+    check_writable_dir(out.parent, "directory of the SFT model")  # before the model loads (out is made whole, by a rename)
     if sft.batch_size > len(train_dataset):
         raise ConfigError(f"config key 'sft.batch_size' ({sft.batch_size}) is larger than the dataset ({len(train_dataset)})")
     if sft.lr is not None:

@@ -91,7 +91,10 @@ class StopRequest:
 
     def _say(self, text: str) -> None:
         # os.write, not print: the handler may run while the main thread is inside a print
-        os.write(2, f"grouprl: {self.label}{text}\n".encode())
+        try:
+            os.write(2, f"grouprl: {self.label}{text}\n".encode())
+        except OSError:  # stderr's reader is gone (a `| tee` ended by the same Ctrl-C): the stop goes on unsaid
+            pass
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()

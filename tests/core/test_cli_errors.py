@@ -48,6 +48,7 @@ def project(tmp_path_factory):
     for step in (2, 10):
         (root / "old_run" / "checkpoints" / f"global_step_{step}" / "model").mkdir(parents=True)
     (root / "empty").mkdir()
+    (root / "afile").write_text("a file where a directory should be\n")
     (root / "lora" / "model").mkdir(parents=True)  # a LoRA checkpoint whose adapter names no base model
     (root / "lora" / "model" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
     (root / "prompts.jsonl").write_text('{"prompt": "a red square"}\n{"prompt": "a blue circle"}\n')
@@ -186,6 +187,40 @@ CASES = {
                                        "pip install 'grouprl[diffusion]'"]),
     "serve rewards without uvicorn": (["serve", "rewards", "--port", "1"], ("uvicorn",), 2,
                                       ["grouprl: missing package: ", "uvicorn", "pip install 'grouprl[server]'"]),
+    "NaN learning rate": (["train", "{root}/good.yaml", "worker.actor.optim.lr=nan"], (), 2,
+                          ["grouprl: config error: config key 'worker.actor.optim.lr' expects a number, got nan"]),
+    "NaN in a nullable float": (["train", "{root}/good.yaml", "trainer.max_wall_seconds=.nan"], (), 2,
+                                ["config key 'trainer.max_wall_seconds' expects a number, got nan"]),
+    "NaN flow learning rate": (["train", "{root}/flow.yaml", "worker.actor.optim.lr=nan"], (), 2,
+                               ["config key 'worker.actor.optim.lr' expects a number, got nan"]),
+    "infinite learning rate": (["train", "{root}/good.yaml", "worker.actor.optim.lr=inf"], (), 2,
+                               ["grouprl: config error: config key 'worker.actor.optim.lr' must be >= 0 and finite; "
+                                "got inf"]),
+    "infinite temperature": (["train", "{root}/good.yaml", "worker.rollout.temperature=inf"], (), 2,
+                             ["config key 'worker.rollout.temperature' must be > 0 and finite"]),
+    "empty model directory": (["train", "{root}/good.yaml", "worker.actor.model.model_path={root}/empty"], (), 2,
+                              ["grouprl: config error: ", "'worker.actor.model.model_path'",
+                               "{root}/empty has no config.json", "(it is empty)"]),
+    "generate from an empty directory": (["generate", "--model", "{root}/empty", "--data", "{root}/data.jsonl",
+                                          "--out", "{root}/preds.jsonl"], (), 2,
+                                         ["grouprl: model error: ", "{root}/empty has no config.json"]),
+    "run directory is a file": (["train", "{root}/good.yaml", "trainer.output_dir={root}/afile"], (), 2,
+                                ["grouprl: output error: cannot write to the run directory ('trainer.output_dir') "
+                                 "{root}/afile: {root}/afile is a file, not a directory"]),
+    "run directory under a file": (["train", "{root}/good.yaml", "trainer.output_dir={root}/afile/run"], (), 2,
+                                   ["grouprl: output error: ", "{root}/afile/run",
+                                    "{root}/afile is a file, so no directory can be made under it"]),
+    "checkpoint directory under a file": (["train", "{root}/good.yaml",
+                                           "trainer.save_checkpoint_path={root}/afile/checkpoints"], (), 2,
+                                          ["grouprl: output error: ", "'trainer.save_checkpoint_path'",
+                                           "{root}/afile/checkpoints"]),
+    "flow: run directory under a file": (["train", "{root}/flow.yaml", "trainer.output_dir={root}/afile/flow"], (), 2,
+                                         ["grouprl: output error: ", "{root}/afile/flow", "{root}/afile is a file"]),
+    "sft: run directory under a file": (["sft", "{root}/good.yaml", "trainer.output_dir={root}/afile/run"], (), 2,
+                                        ["grouprl: output error: ", "directory of the SFT model {root}/afile/run"]),
+    "demo --out under a file": (["demo", "--quick", "--out", "{root}/afile/demo"], (), 2,
+                                ["grouprl: output error: cannot write to the demo's run directory (--out) "
+                                 "{root}/afile/demo: {root}/afile is a file"]),
     "YAML syntax error": (["train", "{root}/broken.yaml"], (), 2,
                           ["grouprl: config error: ", "config file {root}/broken.yaml is not valid YAML",
                            "line 3, column"]),
@@ -318,3 +353,81 @@ def test_an_unknown_key_in_the_file_names_the_file_and_line(project, tmp_path, c
     assert one_error_line(capsys) == (f"grouprl: config error: unknown config key 'trainer.beta' in {path}, line "
                                       f"{line_no} (TRL's GRPOConfig name: use algorithm.kl_coef; with "
                                       "algorithm.use_kl_loss: true for TRL's KL loss)")
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading any model fails the test: what is checked before the load must be reported first."""
+    import grouprl.models.loading
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output directory was checked")
+
+    monkeypatch.setattr(grouprl.models.loading, "load_model_and_processor", loaded)
+
+
+def test_an_unusable_output_directory_is_reported_before_the_model_loads(project, capsys, no_model_loads):
+    argv = ["train", str(project / "good.yaml"), f"trainer.output_dir={project / 'afile' / 'run'}"]
+    assert main(argv) == 2
+    assert one_error_line(capsys).startswith("grouprl: output error: ")
+
+
+def test_a_read_only_file_system_is_one_line_with_the_systems_reason(project, capsys, monkeypatch, no_model_loads):
+    """Tests run as root, where no mode bit stops a write: the probe's write is refused as a read-only
+    mount refuses it (EROFS), and only the probe's: every other file opens as usual."""
+    import errno
+    import os
+
+    import grouprl.files
+
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if ".grouprl-write-probe." in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(grouprl.files.os, "open", read_only)
+    run = project / "read_only_run"
+    assert main(["train", str(project / "good.yaml"), f"trainer.output_dir={run}"]) == 2
+    line = one_error_line(capsys)
+    assert line == (f"grouprl: output error: cannot write to the run directory ('trainer.output_dir') {run}: "
+                    f"Read-only file system: {run}/{line.rsplit('/', 1)[1]}")
+    assert ".grouprl-write-probe." in line
+    assert not [p for p in run.iterdir()]  # the probe left nothing behind
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(project, capsys, monkeypatch, quiet_loading):
+    """The second checkpoint's optimizer file hits ENOSPC half written: the run ends with one line naming
+    the checkpoint and the reason (exit 2, as an unwritable output directory), nothing of step 2 is
+    left (no hidden copy, no global_step_2), step 1 verifies intact, and a run resumes from it."""
+    import errno
+    import os
+
+    from grouprl.trainer import checkpoint as ckpt
+
+    real_save = ckpt.save_file
+    saves = []
+
+    def disk_fills(tensors, filename, *args, **kwargs):
+        saves.append(filename)
+        if "global_step_2" in filename:
+            with open(filename, "wb") as fh:  # what a write cut short leaves
+                fh.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_file", disk_fills)
+    run = project / "full_disk_run"
+    argv = ["train", str(project / "good.yaml"), f"trainer.output_dir={run}", "trainer.max_steps=3",
+            "trainer.save_freq=1"]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    step1, step2 = run / "checkpoints" / "global_step_1", run / "checkpoints" / "global_step_2"
+    assert line.startswith(f"grouprl: checkpoint error: could not write checkpoint {step2}: no space left on device")
+    assert f"the previous checkpoint {step1} is intact" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["global_step_1", ckpt.TRACKER]
+    assert ckpt.verify_checkpoint(step1).intact
+    monkeypatch.setattr(ckpt, "save_file", real_save)
+    assert main([*argv, "trainer.resume=auto"]) == 0
+    assert [step for step, _ in ckpt.step_dirs(run / "checkpoints")] == [1, 2, 3]

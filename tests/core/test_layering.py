@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "grouprl"
 
 # top first: each layer may import from itself and the layers before it
 CORE_LAYERS = [
-    ["grouprl.registry", "grouprl.files", "grouprl.moved", "grouprl.errors"],
+    ["grouprl.registry", "grouprl.files", "grouprl.moved", "grouprl.errors", "grouprl.streams"],
     ["grouprl.config"],
     ["grouprl.algorithms"],
     ["grouprl.rewards"],

@@ -17,7 +17,12 @@ WORDS = ["yes", "no"]
 def test_every_file_of_a_run_its_checkpoint_and_an_export_follows_the_umask(tmp_path):
     records = [{"problem": f"Say {w} {i}", "answer": w} for i in range(2) for w in WORDS]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    build_tiny_text_lm(tmp_path / "model", [r["problem"] for r in records] + WORDS, seed=0)
+    old = os.umask(0o022)
+    try:
+        build_tiny_text_lm(tmp_path / "model", [r["problem"] for r in records] + WORDS, seed=0)
+    finally:
+        os.umask(old)
+    assert not wrong_modes(tmp_path / "model", 0o022)
     run = tmp_path / "run"
     config = {
         "data": {"train_files": [str(tmp_path / "train.jsonl")], "max_response_length": 3, "rollout_batch_size": 2},
@@ -37,7 +42,29 @@ def test_every_file_of_a_run_its_checkpoint_and_an_export_follows_the_umask(tmp_
     names = {p.name for p in files}
     assert {"config.yaml", "run_info.json", "manifest.json"} <= names and any(n.endswith(".safetensors") for n in names)
     assert list((run / "exported").glob("*.safetensors"))
-    private = [str(p.relative_to(run)) for p in files if stat.S_IMODE(p.stat().st_mode) & 0o044 != 0o044]
-    assert not private, f"files not readable by group and others under umask 022: {private}"
-    dirs = [p for p in run.rglob("*") if p.is_dir()]
-    assert all(stat.S_IMODE(d.stat().st_mode) & 0o055 == 0o055 for d in dirs)
+    assert not wrong_modes(run, 0o022)
+
+
+def wrong_modes(root, umask: int) -> list[str]:
+    """Every file and directory under ``root`` whose mode is not 0666 / 0777 less ``umask``, with its mode."""
+    wrong = []
+    for path in [root, *root.rglob("*")]:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        if stat.S_IMODE(path.stat().st_mode) != want:
+            wrong.append(f"{path.relative_to(root)}: {oct(stat.S_IMODE(path.stat().st_mode))}, not {oct(want)}")
+    return wrong
+
+
+def test_the_tiny_model_builders_follow_the_umask(tmp_path):
+    """A stricter umask (027) too: the modes come from the umask, not from a fixed 0644 (the flow
+    builder's test: tests/diffusion/test_flow_file_modes.py)."""
+    from grouprl.models.tiny import build_tiny_vlm
+
+    old = os.umask(0o027)
+    try:
+        built = [build_tiny_text_lm(tmp_path / "lm", ["say yes no"], seed=0),
+                 build_tiny_vlm(tmp_path / "vlm", ["a red square"], seed=0)]
+    finally:
+        os.umask(old)
+    for root in built:
+        assert not wrong_modes(root, 0o027)

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,64 @@ def test_library_train_restores_the_signal_handlers(task, tmp_path, monkeypatch)
     resumed.train()
     assert resumed.state.global_step == 3
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+# a reward that, from step 2 on, waits for the test to close the console's pipe and send the signal
+WAITS_FOR_GO = '''
+import os
+import time
+from pathlib import Path
+
+
+def length_after_go(prompts, completions, **columns):
+    metrics = Path(os.environ["RUN_METRICS"])
+    if metrics.exists() and metrics.read_text().strip():  # step 1 is logged: this is step 2
+        go = Path(os.environ["GO_FILE"])
+        Path(f"{go}.waiting").touch()
+        while not go.exists():
+            time.sleep(0.05)
+    return [len(c) / 10 for c in completions]
+'''
+
+
+@pytest.mark.parametrize("stderr", ["2>&1 | tee", "2>err | tee"])
+def test_a_console_pipe_closed_mid_run_loses_nothing(task, tmp_path, stderr):
+    """Ctrl-C on `grouprl train ... | tee` ends tee too: the run's console pipe closes while step 2 runs,
+    then SIGINT comes. Every later write (the SIGINT notice, step 2's console line, the line naming the
+    checkpoint, the flush at exit) finds no reader: the run still saves step 2 and exits 130, with no
+    traceback and no "Exception ignored" where stderr still has a reader."""
+    run = tmp_path / "run"
+    (tmp_path / "rewards.py").write_text(WAITS_FOR_GO)
+    values = task.config(run, [{"name": f"{tmp_path / 'rewards.py'}:length_after_go"}], **{
+        "worker.rollout.n": 2, "worker.actor.global_batch_size": 2, "trainer.max_steps": 3, "trainer.save_freq": -1,
+        "trainer.logger": ["jsonl", "console"]})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(values))
+    go = tmp_path / "go"
+    environ = {k: v for k, v in os.environ.items() if k != "SIGNAL_PLAN"}
+    environ.update(OMP_NUM_THREADS="1", RUN_METRICS=str(run / "metrics.jsonl"), GO_FILE=str(go))
+    err_path = tmp_path / "err.txt"
+    with open(err_path, "wb") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "grouprl", "train", str(config)], cwd=tmp_path, env=environ,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr == "2>&1 | tee" else err_file,
+                                preexec_fn=default_sigint)
+        try:
+            if stderr == "2>&1 | tee":
+                proc.stdout.read(1)  # the pipe is in use (the model's loading says so), then its reader goes
+            while proc.poll() is None and not (tmp_path / "go.waiting").exists():  # step 2 is being scored
+                time.sleep(0.1)
+            proc.stdout.close()
+            proc.send_signal(signal.SIGINT)
+            go.touch()
+            returncode = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = err_path.read_text()
+    assert returncode == 130, err[-3000:]
+    assert checkpoints(run) == [2]
+    assert ckpt.verify_checkpoint(run / "checkpoints" / "global_step_2").intact
+    assert steps(run / "metrics.jsonl") == [1, 2]
+    if stderr == "2>err | tee":  # stderr kept its reader: the notice is there, and no error
+        assert "SIGINT received" in err
+        assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipeError" not in err

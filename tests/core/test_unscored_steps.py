@@ -48,9 +48,14 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and WARNING in r.getMessage()]
 
 
-def test_a_reward_that_never_applies_is_warned_about_once_and_counted(write_run, read_jsonl, caplog):
+def test_a_reward_that_never_applies_is_warned_about_once_and_counted(write_run, read_jsonl, caplog, capsys):
     path, run = write_run("never")
-    assert main(["train", str(path)]) == 0  # the default: the run goes on
+    assert main(["train", str(path)]) == 1  # the default: the run goes on, and fails at its end
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"grouprl: reward error: no row of any step was scored (steps 1-3; no reward "
+                                            f"applied: {path.parent / 'rewards.py'}:never): the run trained on nothing")
+    assert (run / "checkpoints" / "global_step_3").is_dir()  # it ran to its end and saved
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert sum(m["reward/unscored_steps"] for m in metrics) == 3
@@ -79,3 +84,23 @@ def test_fail_on_unscored_steps_stops_with_one_line_naming_the_rewards(write_run
     assert "fail_on_unscored_steps" in err
     # the step it stopped at is in the log; no step after it ran
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1]
+
+
+def test_a_run_with_one_scored_step_exits_0(write_run, read_jsonl, tmp_path):
+    """Only a run in which no step at all had a scored row fails: a reward that applies from step 2 on
+    is a run that trained."""
+    (tmp_path / "rewards.py").write_text(REWARDS + """
+
+_calls = []
+
+
+def from_step_2(prompts, completions, **columns):
+    _calls.append(1)
+    return [None] * len(completions) if len(_calls) == 1 else [1.0] * len(completions)
+""")
+    path, run = write_run()
+    values = yaml.safe_load(path.read_text())
+    values["worker"]["reward"]["functions"] = [{"name": f"{tmp_path / 'rewards.py'}:from_step_2"}]
+    path.write_text(yaml.safe_dump(values))
+    assert main(["train", str(path)]) == 0
+    assert [m["reward/unscored_steps"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 0, 0]

@@ -260,8 +260,10 @@ def load_flow_config(path=None, overrides: list[str] | None = None, base: dict |
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}; got {value}")
+    # the core's range check, so that NaN and infinity are refused here as there
+    from grouprl.config.checks import _positive as core_positive
+
+    core_positive(key, value, allow_zero)
 
 
 def validate_flow(config: FlowConfig) -> None:

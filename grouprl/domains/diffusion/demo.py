@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from grouprl.cli import demo_dir
-from grouprl.files import write_text_atomic
+from grouprl.cli import demo_dir, demo_resumes
+from grouprl.files import follow_umask, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
@@ -131,6 +131,7 @@ class _Pretrained:
             shutil.rmtree(self.path)
         shutil.copytree(init, self.path)
         model.transformer.save_pretrained(self.path / "transformer")
+        follow_umask(self.path)  # safetensors writes 0600 files
         console.print(f"loss {self.losses[0]:.3f} -> {self.loss_last20:.3f} (mean of the last 20 steps)")
         self.result = evaluate(model, self.held_out, seed=seed + 3)
 
@@ -151,17 +152,27 @@ def _start(out: str | Path, quick: bool, seed: int, title: str):
     sizes = QUICK if quick else FULL
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier run of this command, stopped (Ctrl-C) or finished: its RL runs resume from their checkpoints
+    # (the pretraining, seeded, is run again: its model is the one they were trained from)
+    resuming = demo_resumes(out, {"demo": "flow", "seed": seed, "sizes": sizes},
+                            stages=[out / "flow_grpo_fast" / "checkpoints", out / "diffusion_nft" / "checkpoints"])
     torch.manual_seed(seed)
-    return console, sizes, out, _Pretrained(out, sizes, seed, console, title)
+    pretrained = _Pretrained(out, sizes, seed, console, title)
+    pretrained.resuming = resuming
+    return console, sizes, out, pretrained
 
 
-def _train(config: dict, held_out: list[str], seed: int) -> dict:
+def _train(config: dict, held_out: list[str], seed: int, *, resume: bool = False) -> dict:
     """Train one RL run from the pretrained model and score it on the held-out prompts; its seconds, steps
-    and training images per second."""
+    and training images per second. ``resume``: from the run's last checkpoint, if it has one."""
+    from grouprl.cli import DEMO_RESUME_HINT
     from grouprl.domains.diffusion.config import flow_config_from_dict
     from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
 
+    if resume:
+        config = {**config, "trainer": {**config["trainer"], "resume": "auto"}}
     trainer = FlowGRPOTrainer(flow_config_from_dict(config))
+    trainer.resume_hint = DEMO_RESUME_HINT
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -213,7 +224,8 @@ def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: i
     console, sizes, out, pre = _start(
         demo_dir(out, "runs/demo-flow", quick), quick, seed, "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
     console.rule("[bold]Flow-GRPO-Fast")
-    after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
+    after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed,
+                   resume=pre.resuming)
 
     console.rule("[bold]held-out prompts, ODE sampling, the same noise")
     rows = {"pretrained": pre.result, "pretrained + Flow-GRPO-Fast": after}
@@ -251,10 +263,11 @@ def run_flow_compare(out: str | Path | None = None, *, quick: bool = False, seed
                                       "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
                                       "DiffusionNFT, the same model, prompts and training time, CPU")
     console.rule(f"[bold]Flow-GRPO-Fast, {sizes['grpo_steps']} steps")
-    fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed)
+    fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed,
+                  resume=pre.resuming)
     console.rule(f"[bold]DiffusionNFT, {fast['seconds']:.0f} s (as long as Flow-GRPO-Fast trained)")
     nft = _train(nft_demo_config(out, pre.path, pre.prompts_file, sizes, seed, max_wall_seconds=fast["seconds"]),
-                 pre.held_out, seed)
+                 pre.held_out, seed, resume=pre.resuming)
 
     console.rule("[bold]held-out prompts, ODE sampling, the same noise")
     rows = {"pretrained": pre.result, "Flow-GRPO-Fast": fast, "DiffusionNFT": nft}

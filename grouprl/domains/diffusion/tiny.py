@@ -24,6 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from grouprl.domains.diffusion import shapes
 from grouprl.domains.diffusion.models import FLOW_FORMAT, FLOW_INDEX
+from grouprl.files import follow_umask
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -265,6 +266,7 @@ def build_tiny_sd3_pipeline(
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
+    follow_umask(out_dir)  # safetensors writes 0600 files
     return out_dir
 
 
@@ -334,4 +336,5 @@ def build_tiny_pixel_flow(
         "vae": None,
     }
     (out_dir / FLOW_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    follow_umask(out_dir)  # safetensors writes 0600 files
     return out_dir

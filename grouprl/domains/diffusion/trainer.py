@@ -87,7 +87,7 @@ from grouprl.domains.diffusion.pipeline import (
 from grouprl.domains.diffusion.scheduler import sde_step, sde_window
 from grouprl.files import RecordsError, read_json_records
 from grouprl.rewards import RewardResult
-from grouprl.trainer.loop import StepResult, TrainingLoop
+from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.parallel import make_accelerator, mark
 from grouprl.trainer.precision import precision_policy
@@ -258,6 +258,7 @@ class FlowGRPOTrainer(TrainingLoop):
         from grouprl.trainer.policy import build_scheduler
 
         t, actor, rollout = config.trainer, config.worker.actor, config.worker.rollout
+        check_output_dirs(config)  # before the model loads
         set_seed(t.seed)
         accelerator = make_accelerator(t)
         if t.device == "cuda" and accelerator.device.type != "cuda":

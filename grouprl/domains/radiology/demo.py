@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from grouprl.cli import demo_dir
+from grouprl.cli import DEMO_RESUME_HINT, demo_dir, demo_resumes
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.trainer.curves import curve_line, plot_reward_curves
@@ -162,6 +162,9 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
     sizes = QUICK if quick else FULL
     out = demo_dir(out, "runs/demo", quick)
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier run of this command, stopped (Ctrl-C) or finished: its SFT model and checkpoints go on
+    resuming = demo_resumes(out, {"demo": "report", "seed": seed, "sizes": sizes, "model": DEMO_MODEL},
+                            stages=[out / "sft_model", *(out / key / "checkpoints" for key in VARIANTS)])
     torch.manual_seed(seed)
     t_start = time.perf_counter()
     variants = list(VARIANTS) if compare else ["grpo"]
@@ -177,7 +180,10 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
 
     sft_cfg, grpo_cfg = demo_configs(out, data, sizes, seed)
     console.rule(f"[bold]1/{steps} SFT warm start")
-    run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
+    if resuming and (out / "sft_model" / "config.json").exists():  # written whole or not at all
+        console.print(f"the SFT model of the earlier run is reused: {out / 'sft_model'}")
+    else:
+        run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
 
     val = load_samples([str(data["val"])], format="llava")
     samples = [val[i] for i in range(len(val))]
@@ -188,8 +194,10 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
         label, overrides = VARIANTS[key]
         console.rule(f"[bold]{i + 2}/{steps} {label}")
         cfg = merge_values(grpo_cfg, overrides)
-        cfg["trainer"] = {**cfg["trainer"], "output_dir": str(out / key), "experiment_name": f"demo-{key}"}
+        cfg["trainer"] = {**cfg["trainer"], "output_dir": str(out / key), "experiment_name": f"demo-{key}",
+                          "resume": "auto" if resuming else None}
         trainer = GRPOTrainer(config_from_dict(cfg))
+        trainer.resume_hint = DEMO_RESUME_HINT
         trainer.train()
         results[label] = evaluate(trainer.policy, trainer.processor, samples)
         curves[label] = out / key / "metrics.jsonl"

@@ -376,10 +376,15 @@ def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = Fals
     from grouprl.trainer.grpo import GRPOTrainer
     from grouprl.trainer.sft import run_sft
 
+    from grouprl.cli import DEMO_RESUME_HINT, demo_resumes
+
     console = Console()
     sizes = GUIDED_QUICK if quick else GUIDED_FULL
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier run of this command, stopped (Ctrl-C) or finished: its SFT model and checkpoints go on
+    resuming = demo_resumes(out, {"demo": "guided", "seed": seed, "sizes": sizes, "model": GUIDED_MODEL},
+                            stages=[out / "sft_model", *(out / key / "checkpoints" for key in GUIDED_RUNS)])
     torch.manual_seed(seed)
     t_start = time.perf_counter()
 
@@ -398,7 +403,10 @@ def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = Fals
     sft_cfg, grpo_cfg, guided_cfg = guided_demo_configs(out, data, sizes, seed)
     console.rule("[bold]1/4 SFT warm start on worked solutions")
     t0 = time.perf_counter()
-    run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
+    if resuming and (out / "sft_model" / "config.json").exists():  # written whole or not at all
+        console.print(f"the SFT model of the earlier run is reused: {out / 'sft_model'}")
+    else:
+        run_sft(config_from_dict(sft_cfg), output_dir=out / "sft_model")
     seconds = {"SFT": time.perf_counter() - t0}
 
     val = load_samples([str(data["val"])], format="easyr1")
@@ -431,7 +439,10 @@ def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = Fals
                 sizes["grpo_steps"], round(training[GUIDED_RUNS["guided"]]["policy_tokens"] / per_step))}})
         console.rule(f"[bold]{i + 2}/4 {label}")
         t0 = time.perf_counter()
+        if resuming:
+            cfg = merge_values(cfg, {"trainer": {"resume": "auto"}})
         trainer = GRPOTrainer(config_from_dict(cfg))
+        trainer.resume_hint = DEMO_RESUME_HINT
         trainer.train()
         seconds[label] = time.perf_counter() - t0
         results[label] = evaluate_arithmetic(trainer.policy, trainer.processor, samples)

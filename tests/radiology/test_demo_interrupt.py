@@ -1,0 +1,97 @@
+"""Ctrl-C during `grouprl demo` is one line and exit status 130, never a traceback, and the same
+command run again continues: the stages that finished are reused, training resumes from the
+checkpoint the signal saved.
+
+The report demo runs in a process of its own at sizes far below --quick's (patched in before it
+starts), and the SIGINT is real: the process sends it to itself when SFT starts, or when GRPO
+step 2 starts (that step finishes and is the checkpoint), so the moment is known without timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(train=16, val=4, sft_epochs=1, sft_batch=8, grpo_steps=3, n=2, prompts_per_step=4)
+
+DRIVER = f"""
+import os, signal, sys
+import grouprl.domains.radiology.demo as demo
+import grouprl.trainer.sft as sft
+from grouprl.cli import main
+from grouprl.trainer.grpo import GRPOTrainer
+
+demo.QUICK = {TINY!r}
+where = os.environ.get("INTERRUPT")
+run_sft, step = sft.run_sft, GRPOTrainer.step
+
+def interrupted_sft(*args, **kwargs):
+    if where == "sft":
+        os.kill(os.getpid(), signal.SIGINT)
+    return run_sft(*args, **kwargs)
+
+def interrupted_step(self, current):
+    if where == "grpo" and current == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return step(self, current)
+
+sft.run_sft, GRPOTrainer.step = interrupted_sft, interrupted_step
+sys.exit(main(["demo", "--quick", "--out", sys.argv[1]]))
+"""
+
+
+def demo(out: Path, interrupt: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "INTERRUPT"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if interrupt:
+        env["INTERRUPT"] = interrupt
+    return subprocess.run([sys.executable, "-c", DRIVER, str(out)], capture_output=True, text=True, env=env,
+                          timeout=900, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:  # a background job inherits SIGINT ignored (see test_signals.default_sigint)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def grouprl_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("grouprl:")]
+
+
+def test_ctrl_c_in_sft_is_one_line_and_130_then_the_demo_runs_from_the_start(tmp_path):
+    out = tmp_path / "demo"
+    stopped = demo(out, "sft")
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    assert grouprl_lines(stopped.stderr) == [
+        "grouprl: demo interrupted (SIGINT); the stages that finished are kept: run the same grouprl demo command "
+        "again to resume"]
+    assert stopped.stderr.strip().splitlines()[-1] == grouprl_lines(stopped.stderr)[0]
+    assert not (out / "sft_model").exists() and not (out / "grpo").exists()
+
+
+def test_ctrl_c_in_training_saves_and_the_same_command_resumes(tmp_path):
+    out = tmp_path / "demo"
+    stopped = demo(out, "grpo")
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    checkpoint = (out / "grpo" / "checkpoints" / "global_step_2").resolve()
+    assert grouprl_lines(stopped.stdout) == [
+        f"grouprl: stopped by SIGINT after step 2: checkpoint {checkpoint} (run the same grouprl demo command again "
+        "to resume)"]
+    assert not (out / "summary.json").exists()
+
+    resumed = demo(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"the SFT model of the earlier run is reused: {out / 'sft_model'}" in " ".join(resumed.stdout.split())
+    assert f"resumed from {out / 'grpo' / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout
+    steps = [json.loads(line)["step"] for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # each step once: 1 and 2 from the stopped run, 3 after resuming
+    assert json.loads((out / "summary.json").read_text())["sizes"] == TINY
