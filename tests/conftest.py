@@ -407,3 +407,25 @@ def _check_lazy_exports(package_name: str) -> None:
     code = f"import sys, {package_name}; print(sorted(m for m in sys.modules if m.startswith({package_name + '.'!r})))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def demo_process():
+    """``run(driver, out, interrupt=None)``: a demo driver (Python source that patches a demo's sizes
+    and hooks, then calls ``grouprl.cli.main`` with ``sys.argv[1]`` as the run directory) run in a
+    process of its own, with ``INTERRUPT`` set to ``interrupt`` when given (where the driver sends
+    itself a real SIGINT). SIGINT is put back to its default in the child: a background job inherits
+    it ignored (see test_signals.default_sigint)."""
+    import signal
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(driver: str, out: Path, interrupt: str | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "INTERRUPT"}
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+        if interrupt:
+            env["INTERRUPT"] = interrupt
+        return subprocess.run([sys.executable, "-c", driver, str(out)], capture_output=True, text=True, env=env,
+                              timeout=900, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    return run

@@ -6,13 +6,7 @@ the process to itself when step 2 starts (that step finishes and is saved)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(pretrain_steps=10, pretrain_batch=4, pairs=16, grpo_steps=3, prompts_per_step=2, n=2, held_out=2)
 
 DRIVER = f"""
@@ -34,18 +28,9 @@ sys.exit(main(["demo", "--flow", "--quick", "--out", sys.argv[1]]))
 """
 
 
-def demo(out: Path, interrupt: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "INTERRUPT"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if interrupt:
-        env["INTERRUPT"] = "1"
-    return subprocess.run([sys.executable, "-c", DRIVER, str(out)], capture_output=True, text=True, env=env,
-                          timeout=900, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def test_ctrl_c_in_the_flow_demo_saves_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_in_the_flow_demo_saves_and_the_same_command_resumes(tmp_path, demo_process):
     out = tmp_path / "flow"
-    stopped = demo(out, interrupt=True)
+    stopped = demo_process(DRIVER, out, interrupt="1")
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     checkpoint = (out / "flow_grpo_fast" / "checkpoints" / "global_step_2").resolve()
@@ -53,7 +38,7 @@ def test_ctrl_c_in_the_flow_demo_saves_and_the_same_command_resumes(tmp_path):
         f"grouprl: stopped by SIGINT after step 2: checkpoint {checkpoint} (run the same grouprl demo command again "
         "to resume)"]
 
-    resumed = demo(out)
+    resumed = demo_process(DRIVER, out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'flow_grpo_fast' / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout
     lines = (out / "flow_grpo_fast" / "metrics.jsonl").read_text().splitlines()

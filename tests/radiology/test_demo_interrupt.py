@@ -10,14 +10,7 @@ step 2 starts (that step finishes and is the checkpoint), so the moment is known
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(train=16, val=4, sft_epochs=1, sft_batch=8, grpo_steps=3, n=2, prompts_per_step=4)
 
 DRIVER = f"""
@@ -46,28 +39,13 @@ sys.exit(main(["demo", "--quick", "--out", sys.argv[1]]))
 """
 
 
-def demo(out: Path, interrupt: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "INTERRUPT"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if interrupt:
-        env["INTERRUPT"] = interrupt
-    return subprocess.run([sys.executable, "-c", DRIVER, str(out)], capture_output=True, text=True, env=env,
-                          timeout=900, preexec_fn=_default_sigint)
-
-
-def _default_sigint() -> None:  # a background job inherits SIGINT ignored (see test_signals.default_sigint)
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def grouprl_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("grouprl:")]
 
 
-def test_ctrl_c_in_sft_is_one_line_and_130_then_the_demo_runs_from_the_start(tmp_path):
+def test_ctrl_c_in_sft_is_one_line_and_130_then_the_demo_runs_from_the_start(tmp_path, demo_process):
     out = tmp_path / "demo"
-    stopped = demo(out, "sft")
+    stopped = demo_process(DRIVER, out, "sft")
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
     assert grouprl_lines(stopped.stderr) == [
@@ -77,9 +55,9 @@ def test_ctrl_c_in_sft_is_one_line_and_130_then_the_demo_runs_from_the_start(tmp
     assert not (out / "sft_model").exists() and not (out / "grpo").exists()
 
 
-def test_ctrl_c_in_training_saves_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_in_training_saves_and_the_same_command_resumes(tmp_path, demo_process):
     out = tmp_path / "demo"
-    stopped = demo(out, "grpo")
+    stopped = demo_process(DRIVER, out, "grpo")
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     checkpoint = (out / "grpo" / "checkpoints" / "global_step_2").resolve()
@@ -88,7 +66,7 @@ def test_ctrl_c_in_training_saves_and_the_same_command_resumes(tmp_path):
         "to resume)"]
     assert not (out / "summary.json").exists()
 
-    resumed = demo(out)
+    resumed = demo_process(DRIVER, out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"the SFT model of the earlier run is reused: {out / 'sft_model'}" in " ".join(resumed.stdout.split())
     assert f"resumed from {out / 'grpo' / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout

@@ -6,13 +6,7 @@ sent by the process to itself when Guided-GRPO's step 2 starts (that step finish
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(train=32, corrections=8, val=8, max_value=10, sft_epochs=1, grpo_steps=3, n=2, prompts_per_step=2)
 
 DRIVER = f"""
@@ -34,18 +28,9 @@ sys.exit(main(["demo", "--guided", "--quick", "--out", sys.argv[1]]))
 """
 
 
-def demo(out: Path, interrupt: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "INTERRUPT"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if interrupt:
-        env["INTERRUPT"] = "1"
-    return subprocess.run([sys.executable, "-c", DRIVER, str(out)], capture_output=True, text=True, env=env,
-                          timeout=900, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def test_ctrl_c_in_guided_grpo_saves_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_in_guided_grpo_saves_and_the_same_command_resumes(tmp_path, demo_process):
     out = tmp_path / "guided"
-    stopped = demo(out, interrupt=True)
+    stopped = demo_process(DRIVER, out, interrupt="1")
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     checkpoint = (out / "guided" / "checkpoints" / "global_step_2").resolve()
@@ -53,7 +38,7 @@ def test_ctrl_c_in_guided_grpo_saves_and_the_same_command_resumes(tmp_path):
         f"grouprl: stopped by SIGINT after step 2: checkpoint {checkpoint} (run the same grouprl demo command again "
         "to resume)"]
 
-    resumed = demo(out)
+    resumed = demo_process(DRIVER, out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"the SFT model of the earlier run is reused: {out / 'sft_model'}" in " ".join(resumed.stdout.split())
     assert f"resumed from {out / 'guided' / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout
