@@ -234,3 +234,32 @@ def test_grpo_run_logs_val_at_k(say_task, tmp_path):
     assert schema["val/rewards/accuracy/pass@3"] == "mean_se" and schema["val/reward"] == "moments"
     generations = [json.loads(x) for x in (tmp_path / "run" / "val_generations.jsonl").read_text().splitlines()]
     assert len(generations) == 6 * 3
+
+
+def test_two_processes_log_val_at_k_exactly(say_task, tmp_path, torchrun, read_jsonl):
+    """Prompts split over two processes, each holding a data source the other lacks: every process
+    declares every key, and the reduced values are those of all prompts together."""
+    task = say_task(6)
+    records = read_jsonl(task.data)[:3]
+    sources = ["a", "b", "a"]  # process 0 validates prompts 0 and 2 (a), process 1 prompt 1 (b)
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({**r, "id": f"v{i}", "data_source": s}) + "\n"
+                                                for i, (r, s) in enumerate(zip(records, sources))))
+    cfg = task.config(tmp_path / "run", [{"name": "accuracy"}], **{
+        "data.val_files": [str(tmp_path / "val.jsonl")], "trainer.max_steps": 1, "trainer.val_freq": 1,
+        "trainer.val_generations_to_log": 100, "worker.rollout.val_n": 3, "worker.rollout.val_temperature": 1.0,
+        "worker.actor.global_batch_size": 2, "worker.actor.micro_batch_size_per_device_for_update": 2})
+    (tmp_path / "config.yaml").write_text(json.dumps(cfg))
+    torchrun("-m", "grouprl", "train", str(tmp_path / "config.yaml"), cwd=tmp_path)
+    run = tmp_path / "run"
+    assert json.loads((run / "run_info.json").read_text())["num_processes"] == 2
+    val_line = next(m for m in read_jsonl(run / "metrics.jsonl") if "val/reward/mean" in m)
+    by_prompt = defaultdict(list)
+    for g in read_jsonl(run / "val_generations.jsonl"):
+        by_prompt[g["id"]].append(g["score"])
+    assert sorted(len(v) for v in by_prompt.values()) == [3, 3, 3]
+    means = [float(np.mean(by_prompt[f"v{i}"])) for i in range(3)]
+    assert val_line["val/reward/mean@3"] == pytest.approx(np.mean(means), abs=1e-9)
+    assert val_line["val/reward/mean@3_se"] == pytest.approx(bootstrap_se(means), abs=1e-9)
+    assert val_line["val/b/reward/mean@3"] == pytest.approx(means[1], abs=1e-9)
+    best = [prompt_metrics(by_prompt[f"v{i}"], 3)["best@3"] for i in (0, 2)]
+    assert val_line["val/a/reward/best@3"] == pytest.approx(np.mean(best), abs=1e-9)
