@@ -234,6 +234,11 @@ def test_grpo_run_logs_val_at_k(say_task, tmp_path):
     assert schema["val/rewards/accuracy/pass@3"] == "mean_se" and schema["val/reward"] == "moments"
     generations = [json.loads(x) for x in (tmp_path / "run" / "val_generations.jsonl").read_text().splitlines()]
     assert len(generations) == 6 * 3
+    by_prompt = defaultdict(list)
+    for g in generations:
+        by_prompt[g["id"]].append(g["score"])
+    means = [float(np.mean(v)) for v in by_prompt.values()]
+    assert len(means) == 6 and val_line["val/reward/mean@3_se"] == pytest.approx(bootstrap_se(means), abs=1e-9)
 
 
 def test_two_processes_log_val_at_k_exactly(say_task, tmp_path, torchrun, read_jsonl):
