@@ -249,7 +249,8 @@ def test_two_processes_log_val_at_k_exactly(say_task, tmp_path, torchrun, read_j
     sources = ["a", "b", "a"]  # process 0 validates prompts 0 and 2 (a), process 1 prompt 1 (b)
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({**r, "id": f"v{i}", "data_source": s}) + "\n"
                                                 for i, (r, s) in enumerate(zip(records, sources))))
-    cfg = task.config(tmp_path / "run", [{"name": "accuracy"}], **{
+    # length: scores that differ between responses, so that the standard errors are not 0
+    cfg = task.config(tmp_path / "run", [{"name": "length", "kwargs": {"target": 3}}], **{
         "data.val_files": [str(tmp_path / "val.jsonl")], "trainer.max_steps": 1, "trainer.val_freq": 1,
         "trainer.val_generations_to_log": 100, "worker.rollout.val_n": 3, "worker.rollout.val_temperature": 1.0,
         "worker.actor.global_batch_size": 2, "worker.actor.micro_batch_size_per_device_for_update": 2})
@@ -264,7 +265,7 @@ def test_two_processes_log_val_at_k_exactly(say_task, tmp_path, torchrun, read_j
     assert sorted(len(v) for v in by_prompt.values()) == [3, 3, 3]
     means = [float(np.mean(by_prompt[f"v{i}"])) for i in range(3)]
     assert val_line["val/reward/mean@3"] == pytest.approx(np.mean(means), abs=1e-9)
-    assert val_line["val/reward/mean@3_se"] == pytest.approx(bootstrap_se(means), abs=1e-9)
+    assert bootstrap_se(means) > 0 and val_line["val/reward/mean@3_se"] == pytest.approx(bootstrap_se(means), abs=1e-9)
     assert val_line["val/b/reward/mean@3"] == pytest.approx(means[1], abs=1e-9)
     best = [prompt_metrics(by_prompt[f"v{i}"], 3)["best@3"] for i in (0, 2)]
     assert val_line["val/a/reward/best@3"] == pytest.approx(np.mean(best), abs=1e-9)
