@@ -216,7 +216,12 @@ def test_grpo_run_logs_val_at_k(say_task, tmp_path):
         "trainer.val_before_train": False, "trainer.val_generations_to_log": 100,
         "worker.rollout.val_n": 3, "worker.rollout.val_temperature": 1.0,
         "worker.actor.global_batch_size": 4})
-    GRPOTrainer(config_from_dict(cfg)).train()
+    trainer = GRPOTrainer(config_from_dict({**cfg, "worker": {**cfg["worker"], "rollout": {
+        **cfg["worker"]["rollout"], "val_top_p": 0.9}}}))
+    val_params, train_params = trainer._sampling(1, validation=True), trainer._sampling(1)
+    assert (val_params.n, val_params.temperature, val_params.top_p) == (3, 1.0, 0.9)
+    assert (train_params.n, train_params.top_p) == (4, 1.0)  # training's own settings
+    trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val_line = next(x for x in lines if "val/reward/mean" in x)
     for prefix in ("val/", "val/even/", "val/odd/"):
