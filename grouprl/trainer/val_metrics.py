@@ -2,7 +2,8 @@
 
 With ``worker.rollout.val_n = k`` each validation prompt gets k responses. For one reward (or the
 weighted total) let ``x_1..x_m`` be the values of a prompt's responses that the reward applies to
-(m = k unless it returned None for some). Per prompt, as verl's ``process_validation_metrics``
+(m = k unless it returned None for some; a prompt with m = 0 has no value; with m < k, best@k still
+draws k of the m). Per prompt, as verl's ``process_validation_metrics``
 (verl/trainer/ppo/metric_utils.py) defines them:
 
 - ``mean@k``  = (1/m) * sum_i x_i
@@ -22,6 +23,13 @@ sigma^2 / P, sigma^2 = (1/P) sum_p (v_p - mean)^2 (:func:`bootstrap_se`). That i
 infinitely many resamples, so it needs no seed and reduces exactly over processes from the sums
 of v and v^2 (``StepMetrics.mean_se``): each process computes the per-prompt values of its own
 prompts, whose k responses it sampled.
+
+Names (``StepMetrics.mean_se``, logged under ``val/``): ``val/rewards/{key}/{metric}`` for each reward
+(beside the per-response ``val/rewards/{key}/mean``), ``val/reward/{metric}`` for the weighted total
+(no pass@k: the total has no threshold), each with ``{metric}_se``; and the same under
+``val/{data_source}/`` when the validation records have a ``data_source`` field. ``{metric}`` is
+``mean@k``, ``best@k``, ``worst@k`` (k > 1, as verl) and ``pass@k``; a sample passes when the reward is
+at least its ``threshold`` (``worker.reward.functions[i].threshold``, default 1).
 
 Which n: verl bootstraps best@n and worst@n for n = 2, 4, 8, ... and n = k, and logs n = k as its
 headline (``val-core``); we report n = k only. verl's ``best@n/std`` (the bootstrap spread of one
