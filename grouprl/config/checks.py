@@ -58,8 +58,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'worker.rollout.temperature' must be > 0 and finite for training rollouts; "
                           f"got {rollout.temperature} (greedy decoding is for validation: worker.rollout.val_temperature)")
     _positive("worker.rollout.val_temperature", rollout.val_temperature, allow_zero=True)
-    if not 0 < rollout.top_p <= 1:
-        raise ConfigError(f"config key 'worker.rollout.top_p' must be in (0, 1]; got {rollout.top_p}")
+    for key in ("top_p", "val_top_p"):
+        if not 0 < getattr(rollout, key) <= 1:
+            raise ConfigError(f"config key 'worker.rollout.{key}' must be in (0, 1]; got {getattr(rollout, key)}")
+    _positive("worker.rollout.val_n", rollout.val_n)
     rollout.verifier.check("worker.rollout.verifier")
     if rollout.verifier.backend != "auto":
         from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)

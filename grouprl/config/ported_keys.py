@@ -82,15 +82,17 @@ def _val_override(value: Any, _: dict) -> dict[str, Any]:
     out = {}
     if "temperature" in value:
         out["worker.rollout.val_temperature"] = value["temperature"]
+    if "top_p" in value:
+        out["worker.rollout.val_top_p"] = value["top_p"]
     if "n" in value:
         out["worker.rollout.val_n"] = value["n"]
     return out
 
 
 def _val_override_refuse(value: Any, _: dict) -> str | None:
-    # Validation only: sampling settings other than temperature and n cannot be set apart from
-    # training's; validation then samples with worker.rollout.top_p / top_k (noted, not refused:
-    # it changes validation scores, never what is trained).
+    # Validation only: sampling settings other than temperature, top_p and n cannot be set apart
+    # from training's; validation samples with no top_k (noted, not refused: it changes validation
+    # scores, never what is trained).
     if value is not None and not isinstance(value, dict):
         return f"expects a mapping, got {value!r}"
     return None
@@ -259,8 +261,8 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("worker.rollout.disable_log_stats", "vLLM's statistics logging", "grouprl logs its own rollout metrics"),
     _note("worker.rollout.disable_tqdm", "vLLM's progress bar", "grouprl shows none"),
     _map("worker.rollout.val_override_config", "sampling settings for validation (temperature, top_p, n, ...)",
-         "temperature -> worker.rollout.val_temperature, n -> worker.rollout.val_n; validation takes other "
-         "sampling settings (top_p, top_k) from worker.rollout", _val_override, refuse=_val_override_refuse),
+         "temperature -> worker.rollout.val_temperature, top_p -> worker.rollout.val_top_p, "
+         "n -> worker.rollout.val_n; validation samples with no top_k", _val_override, refuse=_val_override_refuse),
     # ---------------------------------------------------------------- worker.ref, worker.reward, worker
     _note("worker.ref.fsdp", "FSDP sharding and CPU offload of the reference model", _FSDP),
     _note("worker.ref.offload", "offload of the reference model to CPU", _FSDP),

@@ -431,7 +431,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
-    val_temperature: float = 0.0  # greedy validation
+    # validation sampling, independent of training's: greedy by default; with val_temperature > 0,
+    # val_n responses per prompt give val/.../mean@k, best@k, worst@k, pass@k (trainer.val_metrics)
+    val_temperature: float = 0.0
+    val_top_p: float = 1.0
     val_n: int = 1
     micro_batch_size: int | None = None  # responses per generate call; None = the whole batch at once
     # EditGRPO post-rollout edits (option names as in the seed)
@@ -458,6 +461,9 @@ class RewardFunctionConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     # raise: a reward that raises fails the step, naming it; none: its rows are left unscored (never 0)
     on_error: str = field(default="raise", metadata=choices("raise", "none"))
+    # validation's pass@k: a response passes when this reward is at least threshold (1: a 0/1
+    # reward's correct answers, or full marks)
+    threshold: float = 1.0
 
 
 @dataclass

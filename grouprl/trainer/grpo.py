@@ -36,6 +36,7 @@ from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_polic
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
+from grouprl.trainer.val_metrics import group_rows, record_val_metrics
 
 
 def build_rewards(config: Config):
@@ -66,6 +67,19 @@ def build_rewards(config: Config):
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
                           "or 'worker.reward.reward_server'")
     return rewards
+
+
+def _data_source(sample) -> str | None:
+    """A validation record's ``data_source`` field (verl's name), its metrics' group; None without one."""
+    value = sample.columns.get("data_source")
+    return None if value is None else str(value)
+
+
+def reward_thresholds(config: Config, keys: list[str]) -> dict[str, float]:
+    """Each reward key's pass@k threshold: ``worker.reward.functions[i].threshold`` in order, else 1."""
+    r = config.worker.reward
+    given = [] if r.reward_function else [f.threshold for f in r.functions]
+    return {key: float(given[i]) if i < len(given) else 1.0 for i, key in enumerate(keys)}
 
 
 def reward_inputs(batch: RolloutBatch) -> tuple[list, list, list[list[int]]]:
@@ -271,6 +285,7 @@ class GRPOTrainer(TrainingLoop):
             val_dataset = val_dataset if val_dataset is not None else loaded_val
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.rewards = reward_set if reward_set is not None else build_rewards(config)
+        self.reward_thresholds = reward_thresholds(config, self.rewards.keys)
         self.rollout_transforms = list(rollout_transforms or [])
 
         trained = setup_policy(actor, t)
@@ -552,7 +567,7 @@ class GRPOTrainer(TrainingLoop):
         return SamplingParams(
             n=r.val_n if validation else r.n,
             temperature=r.val_temperature if validation else r.temperature,
-            top_p=1.0 if validation else r.top_p,
+            top_p=r.val_top_p if validation else r.top_p,
             top_k=None if validation or r.top_k <= 0 else r.top_k,
             max_new_tokens=self.config.data.max_response_length,
             seed=seed,
@@ -819,8 +834,11 @@ class GRPOTrainer(TrainingLoop):
     def validate(self, step: int) -> StepResult | None:
         """Greedy (by default) responses to this process's share of the validation set, scored.
 
-        A process may get no validation sample (fewer samples than processes): it still
-        reports every key, with no weight. None without a validation set.
+        Besides the per-response reward metrics (``rewards/{key}/mean`` ...), ``worker.rollout.val_n``
+        responses per prompt give per-prompt ``mean@k``, ``best@k``, ``worst@k``, ``pass@k`` with
+        standard errors, per data source too (``trainer.val_metrics``). A process may get no
+        validation sample (fewer samples than processes): it still reports every key, with no
+        weight. None without a validation set.
         """
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return None
@@ -829,7 +847,7 @@ class GRPOTrainer(TrainingLoop):
         size = self.config.data.val_batch_size
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         indices = list(range(len(self.val_dataset)))[rank::world]
-        results, records = [], []
+        results, records, prompt_of_row, row_sources = [], [], [], []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
             mark("generate")
@@ -840,7 +858,20 @@ class GRPOTrainer(TrainingLoop):
             mark("reward")
             result = self._reward_scores(batch, allow_unscored=True)
             results.append(result)
+            # a prompt's val_n responses all come from this call, on this process: its per-prompt metrics are whole
+            prompt_of_row.extend(start + int(g) for g in batch.group_index)
+            row_sources.extend(_data_source(s) for s in batch.samples)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))
-        record_rewards(metrics, join_results(results, self.rewards.keys, self.rewards.weights), self.rewards.keys)
+        joined = join_results(results, self.rewards.keys, self.rewards.weights)
+        record_rewards(metrics, joined, self.rewards.keys)
+        groups = group_rows(prompt_of_row)
+        prompt_sources = [row_sources[rows[0]] for rows in groups]
+        sources = sorted({s for s in prompt_sources if s is not None})
+        if self.accelerator.num_processes > 1:  # every process declares every source's keys
+            from accelerate.utils import gather_object
+
+            sources = sorted(set(gather_object(sources)))
+        record_val_metrics(metrics, groups, joined.components, joined.total, params.n, self.reward_thresholds,
+                           prompt_sources, sources)
         return StepResult(metrics, records=records)

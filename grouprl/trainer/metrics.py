@@ -15,6 +15,9 @@ Kinds:
   as long as its slowest process).
 - ``moments``: a mean and a population std over the values of every record of every
   process (``key/mean``, ``key/std``); exact, from sums of values and squares.
+- ``mean_se``: an equally weighted mean over records (``key``) and its standard error
+  (``key_se`` = population std / sqrt(count), the bootstrap's; ``trainer.val_metrics``); exact,
+  from sums of values and squares.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from grouprl.files import write_text_atomic
 
-KINDS = ("mean", "sum", "max", "min", "moments")
+KINDS = ("mean", "sum", "max", "min", "moments", "mean_se")
 
 
 class StepMetrics:
@@ -41,7 +44,7 @@ class StepMetrics:
         self._sum: dict[str, float] = {}
         self._max: dict[str, float] = {}
         self._min: dict[str, float] = {}
-        self._moments: dict[str, list[float]] = {}  # key -> [sum x, sum x^2, n]
+        self._moments: dict[str, list[float]] = {}  # key -> [sum x, sum x^2, n] (moments and mean_se)
 
     # ------------------------------------------------------------------ recording
 
@@ -76,6 +79,14 @@ class StepMetrics:
     def moments(self, key: str, values: Iterable[float]) -> None:
         """Add values to ``key/mean`` and ``key/std``; an empty iterable declares the key."""
         self._declare(key, "moments")
+        self._add_moments(key, values)
+
+    def mean_se(self, key: str, values: Iterable[float]) -> None:
+        """Add values to ``key`` (their mean) and ``key_se`` (its standard error); empty declares the key."""
+        self._declare(key, "mean_se")
+        self._add_moments(key, values)
+
+    def _add_moments(self, key: str, values: Iterable[float]) -> None:
         acc = self._moments.setdefault(key, [0.0, 0.0, 0.0])
         for v in values:
             v = float(v)
@@ -122,7 +133,7 @@ class StepMetrics:
                 summed.extend(self._mean[key])
             elif kind == "sum":
                 summed.append(self._sum[key])
-            elif kind == "moments":
+            elif kind in ("moments", "mean_se"):
                 summed.extend(self._moments[key])
             elif kind == "max":
                 maxed.append(self._max[key])
@@ -144,6 +155,11 @@ class StepMetrics:
                 mean = total / n if n else math.nan
                 out[f"{key}/mean"] = mean
                 out[f"{key}/std"] = math.sqrt(max(squares / n - mean * mean, 0.0)) if n else math.nan
+            elif kind == "mean_se":
+                total, squares, n = next(s), next(s), next(s)
+                mean = total / n if n else math.nan
+                out[key] = mean
+                out[f"{key}_se"] = math.sqrt(max(squares / n - mean * mean, 0.0) / n) if n else math.nan
             else:
                 value = next(mx) if kind == "max" else next(mn)
                 out[key] = value if math.isfinite(value) else math.nan

@@ -50,6 +50,7 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     assert cfg.trainer.resume == "auto"  # find_last_checkpoint: true, no load_checkpoint_path
     assert cfg.trainer.logger == ["jsonl", "wandb"]  # EasyR1's "file" logger
     assert cfg.worker.rollout.val_temperature == 0.6 and cfg.worker.rollout.val_n == 1  # val_override_config
+    assert cfg.worker.rollout.val_top_p == 0.95 and cfg.worker.rollout.top_p == 1.0
     assert cfg.algorithm.max_filter_rounds == 19  # max_try_make_batch 20 rounds = 1 + 19 more
     assert cfg.algorithm.kl_coef == 1e-2 and cfg.algorithm.use_kl_loss  # disable_kl: false
     # keys both have, as written
