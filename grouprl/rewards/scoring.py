@@ -229,7 +229,7 @@ class RewardSet:
             if len(ids) != n:
                 raise ValueError(f"got {len(ids)} completion_ids for {n} {contract.rows}; pass one list of token ids "
                                  f"per {_singular(contract.rows)}")
-            arguments["completion_ids"] = [list(row) for row in ids]
+            # each reward gets its own copy of the rows when it is called (_start)
         return checked_inputs, checked, arguments, logs
 
     def _start(self, inputs: list[list[Any]], columns: dict[str, list[Any]], arguments: dict[str, Any],
