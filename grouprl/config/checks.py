@@ -12,9 +12,6 @@ from pathlib import Path
 from grouprl.config.schema import Config, ConfigError
 
 
-WANDB_USER = "config key 'trainer.logger' (it includes wandb)"
-
-
 def _check_name(key: str, value: str, registry) -> None:
     """``value`` is a name in ``registry`` (a :class:`grouprl.registry.Registry`, plugins' names included)."""
     known = registry.names()
@@ -95,10 +92,6 @@ def validate(config: Config) -> None:
     if actor.strategy == "fsdp" and model.lora.rank > 0:
         raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
                           "is not supported yet; LoRA adapters are small enough for ddp")
-    if "wandb" in config.trainer.logger:  # before the model loads, not when the logger starts
-        from grouprl.errors import check_installed
-
-        check_installed("wandb", extra="wandb", needed_by=WANDB_USER)
     if len(actor.optim.betas) != 2:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:
@@ -116,10 +109,27 @@ def validate(config: Config) -> None:
             raise ConfigError(f"config key 'worker.reward.functions[{i}].name' is empty")
     if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
-    allowed_loggers = {"console", "jsonl", "tensorboard", "wandb"}
-    for name in config.trainer.logger:
-        if name not in allowed_loggers:
-            raise ConfigError(f"config key 'trainer.logger' accepts {', '.join(sorted(allowed_loggers))}; got {name!r}")
+    _check_loggers(config)
+
+
+def _check_loggers(config: Config) -> None:
+    """trainer.logger names registered loggers whose packages are installed (checked before the model
+    loads, not when the logger starts); trainer.log_samples_freq is -1 or a number of steps."""
+    from grouprl.errors import check_installed
+    from grouprl.trainer.trackers import LOGGERS
+
+    t = config.trainer
+    for name in t.logger:
+        _check_name("trainer.logger", name, LOGGERS)
+        backend = LOGGERS.get(name)
+        if backend.package is not None:
+            check_installed(backend.package, extra=backend.extra,
+                            needed_by=f"config key 'trainer.logger' (it includes {name})")
+    if t.log_samples_freq != -1 and t.log_samples_freq < 1:
+        raise ConfigError("config key 'trainer.log_samples_freq' is a number of steps >= 1, or -1 for no samples; "
+                          f"got {t.log_samples_freq}")
+    if t.log_samples_rows < 1:
+        raise ConfigError(f"config key 'trainer.log_samples_rows' must be >= 1; got {t.log_samples_rows}")
 
 
 def _check_mean_filter(config: Config) -> None:

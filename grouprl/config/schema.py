@@ -514,7 +514,13 @@ class TrainerConfig:
     # limit, or two methods given the same time): that step is checkpointed and the run ends as if complete.
     # None = no limit. Each (re)start counts from its own first step.
     max_wall_seconds: float | None = None
+    # console, jsonl, tensorboard, wandb, mlflow, trackio (docs/training.md#loggers)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    # Samples tables (prompt, completion, reward components, advantage) and images for the loggers that take
+    # them (tensorboard, wandb, mlflow, trackio): training rollouts every this many steps, validation
+    # generations at every validation; -1 = none. log_samples_rows caps the rows (and images) of each table.
+    log_samples_freq: int = 10
+    log_samples_rows: int = 16
     val_freq: int = -1  # -1 = never during training
     val_before_train: bool = False
     val_generations_to_log: int = 4

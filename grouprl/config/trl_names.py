@@ -85,7 +85,8 @@ TRL_NAMES: tuple[TRLName, ...] = (
     TRLName("save_total_limit", "trainer.save_limit"),
     TRLName("eval_steps", "trainer.val_freq"),
     TRLName("resume_from_checkpoint", "trainer.resume", "a path, or auto for the newest checkpoint"),
-    TRLName("report_to", "trainer.logger", "console, jsonl, tensorboard or wandb", "no mlflow or others"),
+    TRLName("report_to", "trainer.logger", "console, jsonl, tensorboard, wandb, mlflow or trackio",
+            "no comet, neptune or others"),
 )
 
 BY_TRL_NAME: dict[str, TRLName] = {entry.trl: entry for entry in TRL_NAMES}

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -262,6 +263,21 @@ class RoundScoring:
         return [(b, t, f.result()) for (b, t), f in zip(self._parts, self._scoring)]
 
 
+def prompt_images(samples, limit: int) -> list[tuple[str, Any]]:
+    """The images of the first prompts among ``samples`` (rows of a batch; a group's rows share their
+    prompt), at most ``limit``, each captioned with its sample's id: what the loggers show of a VLM
+    run's prompts. Empty for text prompts."""
+    images, seen = [], set()
+    for sample in samples:
+        if sample.id in seen:
+            continue
+        seen.add(sample.id)
+        images.extend((f"{sample.id} image {i}", image) for i, image in enumerate(sample.images))
+        if len(images) >= limit:
+            break
+    return images[:limit]
+
+
 class GRPOTrainer(TrainingLoop):
     """Trains a policy with a group-relative algorithm chosen by the config.
 
@@ -476,7 +492,8 @@ class GRPOTrainer(TrainingLoop):
         log = cfg.trainer
         return StepResult(metrics, batch=batch,
                           records=self.rollout_records(batch) if log.log_rollouts else None,
-                          completions=self.completion_records(batch) if log.log_completions else None)
+                          completions=self.completion_records(batch) if log.log_completions else None,
+                          images=prompt_images(batch.samples, log.log_samples_rows))
 
     def rollout(self, step: int, metrics: StepMetrics) -> RolloutBatch | None:
         """Generate, transform and score this step's batch; None when dynamic sampling kept no group.
@@ -847,7 +864,7 @@ class GRPOTrainer(TrainingLoop):
         size = self.config.data.val_batch_size
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         indices = list(range(len(self.val_dataset)))[rank::world]
-        results, records, prompt_of_row, row_sources = [], [], [], []
+        results, records, prompt_of_row, row_sources, images = [], [], [], [], []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
             mark("generate")
@@ -863,6 +880,8 @@ class GRPOTrainer(TrainingLoop):
             row_sources.extend(_data_source(s) for s in batch.samples)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))
+            if not images:
+                images = prompt_images(batch.samples, self.config.trainer.log_samples_rows)
         joined = join_results(results, self.rewards.keys, self.rewards.weights)
         record_rewards(metrics, joined, self.rewards.keys)
         groups = group_rows(prompt_of_row)
@@ -874,4 +893,4 @@ class GRPOTrainer(TrainingLoop):
             sources = sorted(set(gather_object(sources)))
         record_val_metrics(metrics, groups, joined.components, joined.total, params.n, self.reward_thresholds,
                            prompt_sources, sources)
-        return StepResult(metrics, records=records)
+        return StepResult(metrics, records=records, images=images)

@@ -14,7 +14,8 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
     4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
-       loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
+       loggers), rollouts.jsonl, completions.jsonl, and every ``trainer.log_samples_freq`` steps a
+       samples table for the loggers (validation: at each one) -> validation every ``trainer.val_freq`` steps
        -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
        ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
@@ -52,7 +53,7 @@ from typing import Any
 from grouprl.config import redacted, save_config
 from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
-from grouprl.trainer.logging import MetricsLogger, RolloutWriter
+from grouprl.trainer.logging import MetricsLogger, RolloutWriter, samples_due
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
 from grouprl.trainer.resume_config import check_resume_config
@@ -80,12 +81,15 @@ class StepResult:
     ``completions``: the rows for completions.jsonl. None where there is nothing to write; it
     must be None on every process or on none, since writing gathers the rows from all of them.
     ``batch``: what the step trained on, kept for inspection (``TrainingLoop.last_step``), or None.
+    ``images``: (caption, PIL image) pairs for the loggers' samples (a flow run's validation grid, a VLM
+    run's prompt images); the main process's are logged, the others' are not gathered.
     """
 
     metrics: StepMetrics
     records: list[dict] | None = None
     completions: list[dict] | None = None
     batch: Any = None
+    images: list[tuple[str, Any]] | None = None
 
 
 class OneStepOffPrefetcher:
@@ -338,9 +342,22 @@ class TrainingLoop(abc.ABC):
                                           resume_step=resume_step),
         )
 
-    def _write(self, writer: RolloutWriter, step: int, records: list[dict] | None, limit: int | None = None) -> None:
-        if records is not None:
-            writer.write(step, self.gather_records(records)[:limit])
+    def _write(self, writer: RolloutWriter, step: int, records: list[dict] | None,
+               limit: int | None = None) -> list[dict] | None:
+        """Every process's ``records`` (the first ``limit``) written; returns them (None when there were none)."""
+        if records is None:
+            return None
+        rows = self.gather_records(records)[:limit]
+        writer.write(step, rows)
+        return rows
+
+    def _log_samples(self, writers: _Writers, step: int, kind: str, rows: list[dict] | None,
+                     result: StepResult) -> None:
+        """The loggers' samples table of this step's rows and images (main process: the others log nothing)."""
+        t = self.config.trainer
+        if t.log_samples_freq == -1 or not self.is_main or not (rows or result.images):
+            return
+        writers.metrics.log_samples(step, kind, rows or [], images=result.images, limit=t.log_samples_rows)
 
     @staged("validation")
     def _validate(self, step: int, writers: _Writers) -> None:
@@ -348,7 +365,8 @@ class TrainingLoop(abc.ABC):
         if result is None:
             return
         writers.metrics.log(step, self.reduce_metrics(result.metrics, "val/"), prefix="val/")
-        self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
+        rows = self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
+        self._log_samples(writers, step, "val", rows, result)
 
     def train(self) -> dict[str, float]:
         """Run the remaining steps; returns the last step's metrics, reduced over processes.
@@ -405,8 +423,10 @@ class TrainingLoop(abc.ABC):
                 self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]
                 writers.metrics.log(step, last)
                 unscored.check(step, last)  # after the log: a run stopped here shows the step
-                self._write(writers.rollouts, step, result.records)
+                rows = self._write(writers.rollouts, step, result.records)
                 self._write(writers.completions, step, result.completions)
+                if samples_due(step, t.log_samples_freq):
+                    self._log_samples(writers, step, "train", rows, result)
                 if t.val_freq > 0 and step % t.val_freq == 0:
                     self._validate(step, writers)
                 if t.save_freq > 0 and step % t.save_freq == 0:

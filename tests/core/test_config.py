@@ -45,7 +45,7 @@ def test_unknown_key_names_key_and_nearest(tmp_path):
     ("algorithm.kl_penalty=k9", "kl_penalty' accepts one of"),
     ("worker.actor.model.dtype=fp8", "accepts one of float32, bfloat16"),
     ("worker.rollout.top_p=1.5", "top_p' must be in (0, 1]"),
-    ("trainer.logger=[console,mlflow]", "trainer.logger"),
+    ("trainer.logger=[console,swanlab]", "trainer.logger"),
     ("worker.actor=3", "is a section"),
     ("data.rollout_batch_size=6", "multiple of"),
 ])

@@ -759,6 +759,8 @@ class FlowGRPOTrainer(TrainingLoop):
         A process may get no validation prompt (fewer prompts than processes): it still
         reports every key, with no weight. None without validation prompts.
         """
+        from PIL import Image
+
         from grouprl.domains.diffusion.images import save_grid
 
         if not self.val_records:
@@ -792,10 +794,14 @@ class FlowGRPOTrainer(TrainingLoop):
         mark("reward")
         result = self.val_rewards.score(images, prompts, metadata)
         record_rewards(metrics, result, self.val_rewards.keys)
+        logged = []
         if self.is_main and rollout.val_images_to_log > 0:
             k = rollout.val_images_to_log
-            save_grid(images[:k], self.run_dir / "val_images" / f"step_{step:06d}.png",
-                      # long prompts shortened: the caption wraps, so it grows with the text
-                      captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
-                                for p, s in zip(prompts[:k], result.total[:k])])
-        return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)])
+            path = save_grid(images[:k], self.run_dir / "val_images" / f"step_{step:06d}.png",
+                             # long prompts shortened: the caption wraps, so it grows with the text
+                             captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
+                                       for p, s in zip(prompts[:k], result.total[:k])])
+            with Image.open(path) as saved:  # the loggers get the grid as saved, captions included
+                logged.append((f"validation step {step}", saved.copy()))
+        return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)],
+                          images=logged)
