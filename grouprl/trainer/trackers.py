@@ -360,7 +360,8 @@ class MlflowBackend(Backend):
         self._max_key = validation.MAX_ENTITY_KEY_LENGTH
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         store = ctx.run_dir / "mlflow"
-        if not uri:
+        if not uri:  # MLflow's SQLite store needs SQLAlchemy, which mlflow-skinny leaves out
+            require("sqlalchemy", extra="mlflow", needed_by="config key 'trainer.logger' (it includes mlflow)")
             store.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
         self._client = client = MlflowClient(tracking_uri=uri)

@@ -211,7 +211,8 @@ def test_trackio_local_store_gets_scalars_table_and_image_and_resume_continues(t
     out = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path / "run")], env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # trackio prints its own lines, one at exit too
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith('{"runs"')))
     assert result["runs"] == [result["name"]] and result["name"].startswith("e-")
     logs = result["logs"]
     loss = sorted((row["step"], row["loss"]) for row in logs if "loss" in row)
