@@ -7,6 +7,7 @@ import json
 import threading
 
 import pytest
+from PIL import Image
 import torch
 import yaml
 
@@ -22,7 +23,7 @@ def lora_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def test_fast_trains_only_the_window_and_moves_the_adapters(flow_config, tmp_path, read_jsonl):
-    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run"))
+    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **{"trainer.logger": ["jsonl", "tensorboard"]}))
     before = lora_state(trainer)
     seen = []
     real = trainer._log_prob_fn
@@ -54,6 +55,14 @@ def test_fast_trains_only_the_window_and_moves_the_adapters(flow_config, tmp_pat
         assert m["rollout/trained_steps"] == 2 and m["actor/grad_norm"] > 0
         assert "actor/kl_loss" in m and "actor/clipfrac" in m and "actor/ratio/mean" in m
     assert (tmp_path / "run" / "val_images" / "step_000002.png").read_bytes()[:4] == b"\x89PNG"
+    # the validation grid goes to TensorBoard too (the loggers' samples), as the PNG shows it
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    (logged,) = events.Images("samples/val/image_0")
+    with Image.open(tmp_path / "run" / "val_images" / "step_000002.png") as png:
+        assert (logged.step, logged.width, logged.height) == (2, png.width, png.height)
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "grpo_guard"])
