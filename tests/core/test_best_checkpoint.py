@@ -31,10 +31,12 @@ def task(say_task):
 
 
 def config(task, out: Path, **overrides) -> dict:
-    return task.config(out, [{"name": "accuracy"}, {"name": "length", "weight": 0.5, "kwargs": {"target": 1}}], **{
+    # small and cheap: one micro-batch per update, a reward that costs nothing
+    return task.config(out, [{"name": "length", "kwargs": {"target": 2}}], **{
         "data.val_files": [str(task.data)], "data.val_max_samples": 4, "data.val_batch_size": 4,
-        "worker.actor.global_batch_size": 4, "worker.actor.micro_batch_size_per_device_for_update": 4,
-        "worker.actor.micro_batch_size_per_device_for_experience": 16, "trainer.seed": 3,
+        "data.rollout_batch_size": 2, "worker.rollout.n": 2, "worker.actor.global_batch_size": 2,
+        "worker.actor.micro_batch_size_per_device_for_update": 4,
+        "worker.actor.micro_batch_size_per_device_for_experience": 4, "trainer.seed": 3,
         "trainer.val_freq": 1, **overrides})
 
 
@@ -121,20 +123,6 @@ def test_best_is_the_winning_steps_checkpoint_and_never_pruned(task, tmp_path):
     assert ckpt.load_trainer_state(run / "checkpoints" / "global_step_4").extra["best"]["step"] == 3
 
 
-def test_best_of_a_saved_step_is_linked_not_written_again(task, tmp_path):
-    run = tmp_path / "run"
-    trainer = GRPOTrainer(config_from_dict(config(task, run, **{
-        "trainer.max_steps": 3, "trainer.save_freq": 2, "trainer.best_metric": "val/probe",
-        "trainer.best_mode": "min"})))
-    weights = scripted(trainer, {1: 0.5, 2: 0.1, 3: 0.3})
-    trainer.train()
-    best, step_2 = run / "checkpoints" / "best", run / "checkpoints" / "global_step_2"
-    assert best_state(run)[0] == 2 and ckpt.verify_checkpoint(best).intact
-    assert_holds(best, weights[2])
-    for name in ("model/model.safetensors", "optimizer.safetensors", "trainer_state.json"):
-        assert os.path.samefile(best / name, step_2 / name), name  # one copy on disk
-
-
 def test_a_resumed_run_keeps_a_better_best(task, tmp_path, interrupt_at_step):
     """Killed at step 4 after best/ took step 3 (0.95; the last checkpoint, step 2, records step 1's 0.9):
     the resumed run's step 3 scores 0.92, which beats the checkpoint's record but not best/'s."""
@@ -154,22 +142,29 @@ def test_a_resumed_run_keeps_a_better_best(task, tmp_path, interrupt_at_step):
     assert json.loads((run / "run_info.json").read_text())["best"]["value"] == 0.95
 
 
-def test_a_best_lost_before_it_was_linked_is_made_on_resume(task, tmp_path):
-    """A run killed between saving the winning step and linking best/ (best/ missing): resuming that
-    step's checkpoint makes best/ from it, and the record it holds is the value to beat."""
+def test_best_of_a_saved_step_is_linked_and_made_again_on_resume(task, tmp_path):
+    """best/ of a step saved anyway is that checkpoint's files hard-linked (one copy on disk). A run killed
+    between saving the winning step and linking best/ (here: best/ deleted) makes best/ from that step's
+    checkpoint when it resumes it, and the record it holds is the value to beat (min: lower wins)."""
     import shutil
 
     run = tmp_path / "run"
-    values = {"trainer.save_freq": 2, "trainer.best_metric": "val/probe", "trainer.resume": "auto"}
+    values = {"trainer.save_freq": 2, "trainer.best_metric": "val/probe", "trainer.best_mode": "min",
+              "trainer.resume": "auto"}
     first = GRPOTrainer(config_from_dict(config(task, run, **{**values, "trainer.max_steps": 2})))
-    weights = scripted(first, {1: 0.1, 2: 0.8})
+    weights = scripted(first, {1: 0.5, 2: 0.1})
     first.train()
-    shutil.rmtree(run / "checkpoints" / "best")
+    best, step_2 = run / "checkpoints" / "best", run / "checkpoints" / "global_step_2"
+    assert best_state(run)[0] == 2 and ckpt.verify_checkpoint(best).intact
+    for name in ("model/model.safetensors", "optimizer.safetensors", "trainer_state.json"):
+        assert os.path.samefile(best / name, step_2 / name), name
+    shutil.rmtree(best)
     second = GRPOTrainer(config_from_dict(config(task, run, **{**values, "trainer.max_steps": 3})))
-    scripted(second, {3: 0.7})
+    scripted(second, {3: 0.3})
     second.train()
-    assert best_state(run)[0] == 2 and ckpt.verify_checkpoint(run / "checkpoints" / "best").intact
-    assert_holds(run / "checkpoints" / "best", weights[2])
+    assert best_state(run) == (2, {"metric": "val/probe", "mode": "min", "step": 2, "value": 0.1})
+    assert ckpt.verify_checkpoint(best).intact
+    assert_holds(best, weights[2])
 
 
 def test_a_best_metric_the_validation_does_not_log_stops_the_run(task, tmp_path):
