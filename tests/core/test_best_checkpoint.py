@@ -99,6 +99,40 @@ def test_bad_best_settings_are_config_errors(task, tmp_path, overrides, needle):
         config_from_dict(config(task, tmp_path / "run", **overrides))
 
 
+@pytest.mark.parametrize("how", ["linked", "written"])
+def test_keeping_best_survives_a_crash_at_every_point(tmp_path, monkeypatch, how):
+    """Replacing best/ (version 1) with step 2's checkpoint (version 2) and dying at any rename, fsync or
+    removal leaves a whole best/, the old or the new, and no hidden copy once the directory is listed."""
+    from test_checkpoint_logs import SimulatedCrash, VersionedModel, crash_at, save_version, version_of
+
+    outcomes = set()
+    for k in range(1, 200):
+        root = tmp_path / f"{how}{k}"
+        ckpt.keep_best(root, save_version(root, 1, version=1))
+        source = save_version(root, 2, version=2)
+        with crash_at(monkeypatch, k):
+            try:
+                if how == "linked":
+                    ckpt.keep_best(root, source)
+                else:
+                    ckpt.save_best(root, ckpt.TrainerState(global_step=2, extra={"version": 2}), VersionedModel(2),
+                                   torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=2.0), None)
+                crashed = False
+            except SimulatedCrash:
+                crashed = True
+        assert [s for s, _ in ckpt.step_dirs(root)] == [1, 2], k  # recovers; best/ is not a step
+        got = version_of(root / "best")
+        assert got in (1, 2) and ckpt.verify_checkpoint(root / "best").intact, k
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".best")], k
+        outcomes.add(got)
+        if not crashed:
+            assert got == 2
+            break
+    else:
+        pytest.fail("keeping best never ran to the end")
+    assert outcomes == {1, 2}
+
+
 # ---------------------------------------------------------------------------- in a run
 
 
