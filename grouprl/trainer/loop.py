@@ -19,7 +19,7 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
-With ``trainer.best_metric``, a validation whose value beats the best so far (``trainer.best``)
+With ``trainer.best_metric``, a validation whose value beats the best so far (``trainer.best.improves``)
 makes that step's checkpoint ``<checkpoint dir>/best``: hard-linked from the step's checkpoint
 when the step is saved anyway (stage 4's cadence, stage 5), else written before the next step
 changes the weights; its record goes into every later checkpoint's trainer_state.json and into
