@@ -270,7 +270,9 @@ def cmd_train(args) -> int:
         values = read_config_values(args.config, args.overrides)
         with config_sources(values):  # an error naming a key says where it was set (file and line, command line)
             config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
-        if config.trainer.val_only:  # EasyR1's key: what `grouprl validate` does, on what trainer.resume names
+        # EasyR1's key: what `grouprl validate` does, on what trainer.resume names (a registered kind's config
+        # need not have the key)
+        if getattr(getattr(config, "trainer", None), "val_only", False):
             return _validate_only(config, trainer)
         trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training began, or with trainer.save_on_signal false
@@ -289,6 +291,7 @@ def _validate_only(config, trainer) -> int:
     from grouprl.trainer import checkpoint as ckpt
     from grouprl.trainer.validation_run import run_validation
 
+    _can_validate_alone(trainer)
     checkpoint = ckpt.resume_path(config.trainer.resume, config.checkpoint_dir, accelerator=trainer.accelerator)
     if trainer.is_main:
         print(f"grouprl: trainer.val_only: validating {checkpoint or 'the model of worker.actor.model'} "
@@ -307,7 +310,7 @@ def cmd_validate(args) -> int:
     with config_sources(values):
         kind = trainer_kind(values)
         config = resolve(kind.config)({k: v for k, v in values.items() if k != "kind"})
-        if not getattr(config.data, "val_files", True):  # before the model loads (both kinds' key)
+        if not getattr(getattr(config, "data", None), "val_files", True):  # before the model loads (grpo's, flow's key)
             raise ConfigError("config key 'data.val_files' is empty: there is nothing to validate")
         checkpoint = None if args.checkpoint is None else checkpoint_to_validate(args.checkpoint,
                                                                                  config.checkpoint_dir)
@@ -316,8 +319,14 @@ def cmd_validate(args) -> int:
             trainer_values["output_dir"] = str(args.out)
             trainer_values["save_checkpoint_path"] = str(config.checkpoint_dir)
         config, trainer = kind.build(values)
+    _can_validate_alone(trainer)
     run_validation(trainer, checkpoint, config.run_dir)
     return 0
+
+
+def _can_validate_alone(trainer) -> None:
+    if not hasattr(trainer, "validate_only"):  # a registered trainer kind need not be a TrainingLoop
+        raise UsageError(f"this config's trainer ({type(trainer).__name__}) has no validation-only run")
 
 
 def _validate_arguments(p: argparse.ArgumentParser) -> None:
