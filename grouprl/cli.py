@@ -3,13 +3,14 @@
     grouprl demo                                   # synthetic chest X-ray task, CPU, no downloads
     grouprl train config.yaml worker.rollout.n=5   # GRPO-family training (`kind: flow` in the file: Flow-GRPO)
     grouprl sft config.yaml                        # supervised warm start
+    grouprl validate config.yaml --checkpoint best  # the configured validation only, to validation.json
     grouprl export runs/x/checkpoints/global_step_10 --out merged/
     grouprl generate --model merged/ --data test.jsonl --out preds.jsonl
     grouprl eval --data preds.jsonl --out eval/ --clean
     grouprl serve rewards --port 5000               # EditGRPO-compatible reward server
     grouprl sample --data vqa.jsonl --predictions preds.jsonl --strategy hard --n 1000 --out hard.jsonl
 
-The core holds `train`, `sft`, `export` and `demo`; a domain plugin adds its commands to
+The core holds `train`, `validate`, `sft`, `export` and `demo`; a domain plugin adds its commands to
 ``COMMANDS`` (the radiology plugin: `generate`, `eval`, `sample`, `serve rewards`) and its
 demos to ``DEMOS`` (chosen by a flag of `grouprl demo`). The parser is built from both
 registries, so building it loads the installed plugins and `grouprl --help` lists them all.
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if (dashed := _dashed_override(parser, argv)) is not None:
         print(dashed, file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (grouprl validate c.yaml --checkpoint best key=value) are overrides too
+        if not (hasattr(args, "overrides") and all("=" in w and not w.startswith("-") for w in extra)):
+            parser.parse_args(argv)  # argparse's own usage error for what it does not know
+        args.overrides = list(args.overrides) + extra
     anticipated = _anticipated()
     try:
         # a command that reads a config (train, sft): its file and overrides, or its usage
@@ -265,6 +270,10 @@ def cmd_train(args) -> int:
         values = read_config_values(args.config, args.overrides)
         with config_sources(values):  # an error naming a key says where it was set (file and line, command line)
             config, trainer = trainer_kind(values).build(values)  # `kind: flow` (diffusion plugin), else GRPO
+        # EasyR1's key: what `grouprl validate` does, on what trainer.resume names (a registered kind's config
+        # need not have the key)
+        if getattr(getattr(config, "trainer", None), "val_only", False):
+            return _validate_only(config, trainer)
         trainer.train()
     except KeyboardInterrupt:  # Ctrl-C before training began, or with trainer.save_on_signal false
         print("grouprl: interrupted (SIGINT); no checkpoint written", file=sys.stderr)
@@ -276,6 +285,59 @@ def cmd_train(args) -> int:
     if nothing_trained is not None:  # every step's loss was zero: a finished run that is still a failure
         raise nothing_trained
     return 0
+
+
+def _validate_only(config, trainer) -> int:
+    from grouprl.trainer import checkpoint as ckpt
+    from grouprl.trainer.validation_run import run_validation
+
+    _can_validate_alone(trainer)
+    checkpoint = ckpt.resume_path(config.trainer.resume, config.checkpoint_dir, accelerator=trainer.accelerator)
+    if trainer.is_main:
+        print(f"grouprl: trainer.val_only: validating {checkpoint or 'the model of worker.actor.model'} "
+              "and stopping, without training (as grouprl validate)", flush=True)
+    run_validation(trainer, checkpoint, config.run_dir)
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from grouprl.config import ConfigError, config_sources, read_config_values
+    from grouprl.registry import resolve
+    from grouprl.trainer.kinds import trainer_kind
+    from grouprl.trainer.validation_run import checkpoint_to_validate, run_validation
+
+    values = read_config_values(args.config, args.overrides)
+    with config_sources(values):
+        kind = trainer_kind(values)
+        config = resolve(kind.config)({k: v for k, v in values.items() if k != "kind"})
+        if not getattr(getattr(config, "data", None), "val_files", True):  # before the model loads (grpo's, flow's key)
+            raise ConfigError("config key 'data.val_files' is empty: there is nothing to validate")
+        checkpoint = None if args.checkpoint is None else checkpoint_to_validate(args.checkpoint,
+                                                                                 config.checkpoint_dir)
+        if args.out is not None:  # everything the validation writes goes there; checkpoints stay where they are
+            trainer_values = values.setdefault("trainer", {})
+            trainer_values["output_dir"] = str(args.out)
+            trainer_values["save_checkpoint_path"] = str(config.checkpoint_dir)
+        config, trainer = kind.build(values)
+    _can_validate_alone(trainer)
+    run_validation(trainer, checkpoint, config.run_dir)
+    return 0
+
+
+def _can_validate_alone(trainer) -> None:
+    if not hasattr(trainer, "validate_only"):  # a registered trainer kind need not be a TrainingLoop
+        raise UsageError(f"this config's trainer ({type(trainer).__name__}) has no validation-only run")
+
+
+def _validate_arguments(p: argparse.ArgumentParser) -> None:
+    _config_arguments(p)
+    p.description = ("Runs the config's validation once (the metrics a training run logs under val/, its "
+                     "val_generations rows) on the config's model or a checkpoint, and writes them to "
+                     "validation.json in the run directory (or --out) with a table on the console. Nothing "
+                     "trains and no checkpoint is written.")
+    p.add_argument("--checkpoint", help="a checkpoint directory, or best (<checkpoint dir>/best) or latest (the "
+                                        "newest global_step_N) of the config's run; default: the config's model")
+    p.add_argument("--out", help="directory for validation.json (default: the config's run directory)")
 
 
 def cmd_sft(args) -> int:
@@ -301,7 +363,7 @@ def cmd_export(args) -> int:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a global_step_N directory")
+    p.add_argument("checkpoint", help="a checkpoint directory: global_step_N, or best (trainer.best_metric)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--base-model", help="base model of a LoRA checkpoint (default: the adapter's recorded base)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -491,6 +553,8 @@ def cmd_demo(args) -> int:
 
 COMMANDS.register("train", Command("train with a GRPO-family algorithm (or the trainer the file's `kind` names)",
                                    cmd_train, _config_arguments))
+COMMANDS.register("validate", Command("run the configured validation on a model or a checkpoint, without training",
+                                      cmd_validate, _validate_arguments))
 COMMANDS.register("sft", Command("supervised warm start on the reference answers", cmd_sft, _sft_arguments))
 COMMANDS.register("export", Command("write a checkpoint as a merged Hugging Face model", cmd_export,
                                     _export_arguments))

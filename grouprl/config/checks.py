@@ -101,6 +101,7 @@ def validate(config: Config) -> None:
                           "'worker.reward.reward_function' is called, and that key is not set (the functions of "
                           "'worker.reward.functions' are told apart by their signature and file)")
     _check_mean_filter(config)
+    check_best(config.trainer)
     if config.worker.reward.timeout is not None and not config.worker.reward.timeout > 0:
         raise ConfigError(f"config key 'worker.reward.timeout' must be seconds > 0 or null (no limit); "
                           f"got {config.worker.reward.timeout}")
@@ -130,6 +131,24 @@ def _check_loggers(config: Config) -> None:
                           f"got {t.log_samples_freq}")
     if t.log_samples_rows < 1:
         raise ConfigError(f"config key 'trainer.log_samples_rows' must be >= 1; got {t.log_samples_rows}")
+
+
+def check_best(trainer) -> None:
+    """``trainer.best_metric`` / ``trainer.best_mode`` (a ``TrainerConfig``, of any trainer kind): a mode
+    needs a metric, the metric is a validation key, and the run validates at all."""
+    if trainer.best_mode is not None and trainer.best_metric is None:
+        raise ConfigError(f"config key 'trainer.best_mode' ({trainer.best_mode}) says how 'trainer.best_metric' "
+                          "ranks validations, and that key is not set (name a validation metric, e.g. "
+                          "val/reward/mean@1)")
+    if trainer.best_metric is None:
+        return
+    if not trainer.best_metric.startswith("val/"):
+        raise ConfigError(f"config key 'trainer.best_metric' must be a validation metric as metrics.jsonl names it, "
+                          f"starting with val/ (e.g. val/reward/mean@1); got {trainer.best_metric!r}")
+    if trainer.val_freq <= 0 and not trainer.val_before_train and not trainer.val_only:
+        raise ConfigError(f"config key 'trainer.best_metric' ({trainer.best_metric}) ranks validations, and the run "
+                          f"never validates ('trainer.val_freq' is {trainer.val_freq}, 'trainer.val_before_train' "
+                          "false); set trainer.val_freq")
 
 
 def _check_mean_filter(config: Config) -> None:

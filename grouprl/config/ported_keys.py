@@ -11,7 +11,7 @@ values before they are built into the schema, and is handled in one of three way
   padding-free kernels); the value is dropped with a note naming the key and what grouprl
   does instead;
 - **refused**: a value whose meaning grouprl cannot honour and whose loss would change what
-  the run computes (``trainer.val_only: true``, an entropy bonus, a custom chat template):
+  the run computes (an entropy bonus, a custom chat template):
   a ConfigError naming the key and what to do. Each entry's ``refuse`` says why in a comment.
 
 Notes are warnings on the ``grouprl.config.ported_keys`` logger, one line each, never silent. The entries
@@ -291,10 +291,6 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
          "on the groups it has instead of failing", _filter_rounds, refuse=_filter_rounds_refuse),
     _note("trainer.critic_warmup", "steps training only the critic", "grouprl has no critic",
           quiet_when=lambda v: not v),
-    # val_only: true asks for no training at all; grouprl would train: refused.
-    _note("trainer.val_only", "validate, then stop without training", "grouprl trains",
-          refuse=lambda v, _: ("grouprl has no validation-only run; use trainer.max_steps=0 with "
-                               "trainer.val_before_train=true") if v else None, quiet_when=lambda v: not v),
     _note("trainer.save_model_only", "checkpoints without optimizer state",
           "grouprl's checkpoints always hold the optimizer state (resumable); `grouprl export` writes the model"),
     _map("trainer.load_checkpoint_path", "the checkpoint to resume from", "a path sets trainer.resume", _resume_path),

@@ -563,6 +563,16 @@ class TrainerConfig:
     # ten minutes on either, and is still far above any step's wait on a slower process. Raise it
     # when processes legitimately wait longer for each other (a long validation or save on one process).
     distributed_timeout: float = 600.0
+    # The best checkpoint: after each validation whose value of this metrics.jsonl key (a validation
+    # metric, e.g. val/reward/mean@4 or val/report/finding_f1_micro) beats the best so far (strictly;
+    # NaN never does), that step's checkpoint is kept as <checkpoint dir>/best, never pruned by
+    # save_limit and never resumed by resume: auto; run_info.json names it ("best"). None: no best kept.
+    best_metric: str | None = None
+    # max: higher is better; min: lower. null means max (set only with best_metric).
+    best_mode: str | None = field(default=None, metadata=choices("max", "min"))
+    # Validate, then stop without training (EasyR1's key): `grouprl train` runs what `grouprl validate`
+    # runs, on the checkpoint trainer.resume names (auto: the newest), else on the model.
+    val_only: bool = False
 
 
 @dataclass

@@ -8,6 +8,11 @@ disk. A kill at any point therefore leaves a complete `global_step_N/` or one of
 these hidden copies, which `recover_interrupted_save` (run by every listing and
 every save) puts back: readers never see a half-written or missing checkpoint.
 
+`best/` (``trainer.best_metric``) is a checkpoint like the others, kept the same way (`.best.tmp`,
+`.best.old`), and never listed by `step_dirs`: `save_limit` never prunes it and `trainer.resume: auto`
+never picks it. `keep_best` makes it from the step checkpoint just written by hard-linking that
+checkpoint's files (no second write of the model), `save_best` writes it when the step has none.
+
 A complete checkpoint also holds `manifest.json`, written inside the temporary directory
 before the rename: every file's size and SHA-256, and the facts the files must agree on
 (step, number of processes, data position). A crash cannot damage a checkpoint, but a disk,
@@ -41,8 +46,9 @@ from grouprl.errors import CheckpointSaveError
 from grouprl.files import follow_umask, fsync_dir, write_text_atomic
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
-# hidden copies of a step: being written (tmp), moved aside by a re-save (old), being pruned (del)
-HIDDEN_DIR = re.compile(r"^\.global_step_(\d+)\.(tmp|old|del)$")
+BEST_DIR = "best"  # the best checkpoint by trainer.best_metric; not a step, so never pruned nor resumed by auto
+# hidden copies of a step (or of best): being written (tmp), moved aside by a re-save (old), being pruned (del)
+HIDDEN_DIR = re.compile(r"^\.(global_step_\d+|best)\.(tmp|old|del)$")
 TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE_MARK = "trainer_state.json"  # written last, after everything else is durable
 MANIFEST = "manifest.json"  # every file's size and SHA-256, written just before COMPLETE_MARK
@@ -232,7 +238,8 @@ def _is_complete(path: Path) -> bool:
 
 
 def recover_interrupted_save(root: Path) -> None:
-    """Finish or undo what a save killed midway left behind, so that each step has its complete `global_step_N/`.
+    """Finish or undo what a save killed midway left behind, so that each step has its complete `global_step_N/`
+    (and `best/` its complete copy).
 
     For a step whose `global_step_N/` is missing, the copy a re-save had moved aside (complete: it was
     a checkpoint) is restored, else a complete temporary copy is promoted. Every other hidden copy is
@@ -241,15 +248,15 @@ def recover_interrupted_save(root: Path) -> None:
     """
     if not root.is_dir():
         return
-    hidden: dict[int, dict[str, Path]] = {}
+    hidden: dict[str, dict[str, Path]] = {}
     for child in root.iterdir():
         m = HIDDEN_DIR.match(child.name)
         if m:
-            hidden.setdefault(int(m.group(1)), {})[m.group(2)] = child
+            hidden.setdefault(m.group(1), {})[m.group(2)] = child
     if not hidden:
         return
-    for step, copies in hidden.items():
-        final = root / f"global_step_{step}"
+    for name, copies in hidden.items():
+        final = root / name
         if not final.exists():
             if "old" in copies:
                 _move(copies.pop("old"), final)
@@ -352,10 +359,11 @@ def _rng_processes(structure: Any) -> int | None:
     return None
 
 
-def verify_checkpoint(path: Path) -> Verification:
+def verify_checkpoint(path: Path, *, checksums: bool = True) -> Verification:
     """Check a checkpoint against its manifest, and its files against each other. Raises nothing.
 
-    Every file the manifest lists must be there with its size and SHA-256, and no other file may be;
+    Every file the manifest lists must be there with its size and SHA-256 (``checksums`` False:
+    its size only, for files known to be the ones just hashed, e.g. hard links to them), and no other file may be;
     every file must be readable; the step in the directory name, trainer_state.json and the manifest
     must agree, as must the data position and the number of processes the RNG states were saved by.
     A checkpoint saved before manifests existed is checked for all but the sizes and checksums.
@@ -412,7 +420,7 @@ def verify_checkpoint(path: Path) -> Verification:
             except OSError as exc:
                 return exc
 
-        for name, got in _each_file(digest, sized).items():
+        for name, got in (_each_file(digest, sized) if checksums else {}).items():
             if isinstance(got, OSError):
                 problems.append(f"{name}: cannot be read ({got})")
                 damaged.add(name)
@@ -587,6 +595,36 @@ def _save_failed(final: Path, root: Path, exc: BaseException) -> CheckpointSaveE
                                str(final), exc.errno if isinstance(exc, OSError) else None)
 
 
+def _install(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; an existing ``final`` is moved aside (``.NAME.old``), not
+    deleted, so that between the two renames one complete copy always exists, and removed once the new one's
+    name is durable."""
+    aside = root / f".{final.name}.old"
+    replacing = final.exists()
+    if replacing:
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(root)  # the new copy's name is durable before the old copy is deleted
+    if replacing:
+        _remove_tree(aside)
+
+
+def _save_as(root: Path, name: str, state: TrainerState, model, optimizer, scheduler, processor,
+             rng_states: list[dict] | None, model_state_dict: dict | None) -> Path:
+    """Write the checkpoint ``root/name`` atomically (see :func:`save_checkpoint`)."""
+    root.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(root)
+    final, tmp = root / name, root / f".{name}.tmp"
+    try:
+        _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+        follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
+    except (OSError, SafetensorError) as exc:  # a full disk, a quota: safetensors reports it as its own error
+        _remove_tree_quietly(tmp)  # never complete (the mark is written last), so never promoted; the space back
+        raise _save_failed(final, root, exc) from exc
+    _install(root, tmp, final)
+    return final
+
+
 def save_checkpoint(
     root: Path,
     state: TrainerState,
@@ -609,28 +647,61 @@ def save_checkpoint(
     fails (a full disk) removes what it wrote and raises :class:`~grouprl.errors.CheckpointSaveError`
     naming the checkpoint and the reason; the checkpoints already on disk are untouched.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_save(root)
-    final = root / f"global_step_{state.global_step}"
-    tmp = root / f".global_step_{state.global_step}.tmp"
-    aside = root / f".global_step_{state.global_step}.old"
-    try:
-        _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
-        follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
-    except (OSError, SafetensorError) as exc:  # a full disk, a quota: safetensors reports it as its own error
-        _remove_tree_quietly(tmp)  # never complete (the mark is written last), so never promoted; the space back
-        raise _save_failed(final, root, exc) from exc
-    # a re-saved step is moved aside, not deleted: between the two renames it still exists
-    replacing = final.exists()
-    if replacing:
-        os.replace(final, aside)
-    os.replace(tmp, final)
-    fsync_dir(root)  # the new copy's name is durable before the old copy is deleted
-    if replacing:
-        _remove_tree(aside)
+    final = _save_as(root, f"global_step_{state.global_step}", state, model, optimizer, scheduler, processor,
+                     rng_states, model_state_dict)
     write_text_atomic(root / TRACKER, str(state.global_step))
     if save_limit > 0:
         _prune(root, save_limit, keep=final)
+    return final
+
+
+def save_best(root: Path, state: TrainerState, model, optimizer, scheduler, *, processor=None,
+              rng_states: list[dict] | None = None, model_state_dict: dict | None = None) -> Path:
+    """Write ``root/best`` as :func:`save_checkpoint` writes a step (atomically, with its manifest), for a
+    step that has no checkpoint of its own; the previous ``best/`` stays until this one is complete.
+    The tracker of the latest step and pruning are left alone."""
+    return _save_as(root, BEST_DIR, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+
+
+def keep_best(root: Path, source: Path) -> Path:
+    """Make ``root/best`` a copy of the intact checkpoint ``source`` (the step checkpoint just written),
+    atomically: its files hard-linked (no second write of the model; safe, since a checkpoint's files
+    are never written in place: a re-save or a prune renames and deletes, which leaves the links),
+    copied where the file system refuses links.
+
+    The copy is verified against ``source``'s manifest before it replaces the previous ``best/``: the
+    names and sizes of every file, and the SHA-256 of any file that had to be copied (a linked file is
+    the file the save just hashed). ``trainer_state.json`` is linked last, so that a kill midway leaves
+    an incomplete ``.best.tmp`` that recovery deletes, and the previous ``best/`` in place.
+    """
+    recover_interrupted_save(root)
+    final, tmp = root / BEST_DIR, root / f".{BEST_DIR}.tmp"
+    copied = False
+    try:
+        _remove_tree(tmp)
+        tmp.mkdir()
+        names = _files_under(source)
+        for name in sorted(names, key=lambda n: n == COMPLETE_MARK):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source / name, tmp / name)
+            except OSError:  # no hard links here (some network and FUSE file systems): a copy, verified below
+                shutil.copy2(source / name, tmp / name)
+                with open(tmp / name, "rb") as fh:  # durable before the rename, as a save's files are
+                    os.fsync(fh.fileno())
+                copied = True
+        found = verify_checkpoint(tmp, checksums=copied)
+        if not found.intact:
+            raise CheckpointError(f"the copy of checkpoint {source} as {final} does not match its manifest: "
+                                  f"{found.describe()}")
+        _fsync_dirs(tmp)
+    except OSError as exc:
+        _remove_tree_quietly(tmp)
+        raise _save_failed(final, root, exc) from exc
+    except CheckpointError:
+        _remove_tree_quietly(tmp)
+        raise
+    _install(root, tmp, final)
     return final
 
 

@@ -20,6 +20,13 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
+With ``trainer.best_metric``, a validation whose value beats the best so far (``trainer.best.improves``)
+makes that step's checkpoint ``<checkpoint dir>/best``: hard-linked from the step's checkpoint
+when the step is saved anyway (stage 4's cadence, stage 5), else written before the next step
+changes the weights; its record goes into every later checkpoint's trainer_state.json and into
+run_info.json. A resumed run takes the best so far from ``best/`` (see :meth:`TrainingLoop._restore_best`).
+``validate_only`` runs one validation and nothing else (``grouprl validate``, ``trainer.val_only``).
+
 On SIGTERM or SIGINT (``trainer.save_on_signal``, see ``trainer.signals``) the step in progress
 finishes, the processes agree at the step boundary to stop, save that step's checkpoint together
 (unless stage 4 just wrote it), the main process prints one line naming it, and ``train`` raises
@@ -50,9 +57,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grouprl.config import redacted, save_config
+from grouprl.config import ConfigError, redacted, save_config
+from grouprl.config.checks import check_best
 from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
+from grouprl.trainer.best import BestRecord, best_path, improves, metric_value
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, samples_due
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
@@ -177,9 +186,8 @@ class TrainingLoop(abc.ABC):
         self.run_dir = config.run_dir
         self.stream = stream
         self.total_steps = t.max_steps or t.total_epochs * stream.batches_per_epoch
+        check_best(t)  # here too for trainer kinds whose config checks do not call it
         if t.max_wall_seconds is not None and not t.max_wall_seconds > 0:
-            from grouprl.config import ConfigError
-
             raise ConfigError(f"config key 'trainer.max_wall_seconds' must be > 0 seconds; got {t.max_wall_seconds}")
         self.state = ckpt.TrainerState()
         self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
@@ -189,6 +197,8 @@ class TrainingLoop(abc.ABC):
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
         self.unscored: UnscoredSteps | None = None  # which steps of the last ``train`` had no row scored
         self.resume_hint = "resume with trainer.resume=auto"  # the stop line's advice (a demo: run it again)
+        self.best: BestRecord | None = None  # the best validation so far (trainer.best_metric)
+        self._best_due: int | None = None  # a step whose validation won and whose checkpoint is not yet best/
 
     # ------------------------------------------------------------------ hooks
 
@@ -261,9 +271,16 @@ class TrainingLoop(abc.ABC):
 
     def run_info(self) -> dict:
         """How this run is laid out (written to ``run_info.json``): processes, device, precision, async mode."""
-        return {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
+        info = {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
                 "precision": self.precision.describe(), "async_mode": self.config.trainer.async_mode,
                 **self.run_info_extras()}
+        if self.best is not None:
+            info["best"] = {**self.best.as_dict(), "path": str(best_path(self.config.checkpoint_dir).resolve())}
+        return info
+
+    def _write_run_info(self) -> None:
+        if self.is_main:
+            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -296,12 +313,64 @@ class TrainingLoop(abc.ABC):
         self.on_resume()
         if path.resolve().parent == self.config.checkpoint_dir.resolve():  # not one of another run's
             self._checkpointed_step = self.state.global_step
+        self._restore_best(path)
         self.accelerator.print(f"resumed from {path} at step {self.state.global_step}")
         return True
 
+    def _restore_best(self, resumed: Path) -> None:
+        """The best so far of a resumed run: the record of ``best/`` on disk (of this ``trainer.best_metric``
+        and mode), so that the run never replaces a better best with a worse one, even one saved after
+        ``resumed`` by an attempt that was killed later. One case trusts ``resumed`` instead: it is the
+        best's own step, saved, and the run was killed before ``best/`` was made from it; it is made now.
+        The main process decides and tells the others (every process then holds the same value to beat)."""
+        t = self.config.trainer
+        if t.best_metric is None:
+            return
+        mode, root = t.best_mode or "max", self.config.checkpoint_dir
+
+        def ours(saved) -> BestRecord | None:
+            record = BestRecord.from_dict(saved)
+            return record if record is not None and (record.metric, record.mode) == (t.best_metric, mode) else None
+
+        decided: dict | None = None
+        failure: str | None = None
+        if self.is_main:
+            try:
+                on_disk = None
+                if (best_path(root) / ckpt.COMPLETE_MARK).exists():
+                    kept = ckpt.load_trainer_state(best_path(root))
+                    on_disk = ours(kept.extra.get("best"))
+                    if on_disk is not None and on_disk.step != kept.global_step:
+                        on_disk = None  # not a best of ours: its record and its step disagree
+                saved = ours(self.state.extra.get("best"))
+                best = on_disk
+                if (saved is not None and saved.step == self.state.global_step
+                        and resumed.resolve().parent == root.resolve()
+                        and (on_disk is None or (on_disk.step != saved.step and improves(saved.value, on_disk.value,
+                                                                                          mode)))):
+                    ckpt.keep_best(root, resumed)
+                    best = saved
+                decided = None if best is None else best.as_dict()
+            except Exception as exc:  # told to the other processes first, which would otherwise wait forever
+                failure = f"{type(exc).__name__}: {exc}"
+                if self.accelerator.num_processes == 1:
+                    raise
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            decided, failure = broadcast_object_list([decided, failure], from_process=0)
+            if failure is not None:
+                raise RuntimeError(f"the main process could not restore the best checkpoint's record: {failure}")
+        self.best = BestRecord.from_dict(decided)
+        if self.best is None:
+            self.state.extra.pop("best", None)
+        else:
+            self.state.extra["best"] = self.best.as_dict()
+
     @staged("save")
-    def save(self) -> Path | None:
-        """Write a checkpoint (every process takes part; the main one writes).
+    def save(self, *, best: bool = False) -> Path | None:
+        """Write a checkpoint (every process takes part; the main one writes); ``best``: as ``best/``,
+        not as the step's checkpoint.
 
         The model (if sharded) and the optimizer state are gathered whole, the optimizer's keyed
         by parameter name, so a checkpoint loads on any number of processes; with them every
@@ -315,14 +384,51 @@ class TrainingLoop(abc.ABC):
         model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
-        if self.is_main:
+        if self.is_main and best:
+            path = ckpt.save_best(self.config.checkpoint_dir, self.state, self.policy, optimizer_state, self.scheduler,
+                                  processor=self.processor, rng_states=rng_states, model_state_dict=model_state)
+        elif self.is_main:
             path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, optimizer_state,
                                         self.scheduler, processor=self.processor,
                                         save_limit=self.config.trainer.save_limit, rng_states=rng_states,
                                         model_state_dict=model_state)
         self.accelerator.wait_for_everyone()
-        self._checkpointed_step = self.state.global_step
+        if not best:
+            self._checkpointed_step = self.state.global_step
         return path
+
+    def _rank_validation(self, step: int, logged: dict[str, float]) -> None:
+        """After a validation: whether its ``trainer.best_metric`` beats the best so far; if so the record
+        is updated now (so that this step's checkpoint holds it) and its checkpoint becomes best/ at
+        :meth:`_keep_best`. Every process reaches the same answer: the values are reduced."""
+        t = self.config.trainer
+        if t.best_metric is None:
+            return
+        value = metric_value(logged, t.best_metric, step)
+        mode = t.best_mode or "max"
+        if improves(value, None if self.best is None else self.best.value, mode):
+            self.best = BestRecord(t.best_metric, mode, step, value)
+            self.state.extra["best"] = self.best.as_dict()
+            self._best_due = step
+
+    @staged("save best")
+    def _keep_best(self) -> None:
+        """Make the winning step's checkpoint best/: a hard-linked copy of the step's checkpoint when it was
+        just saved, else written (both collective: every process takes part or waits)."""
+        step, self._best_due = self._best_due, None
+        if step is None:
+            return
+        root = self.config.checkpoint_dir
+        if self._checkpointed_step == step:
+            if self.is_main:
+                ckpt.keep_best(root, root / f"global_step_{step}")
+            self.accelerator.wait_for_everyone()
+        else:
+            self.save(best=True)
+        self._write_run_info()
+        if self.is_main:
+            print(f"grouprl: best checkpoint: step {step}, {self.best.metric} = {self.best.value:.6g} "
+                  f"({self.best.mode}) -> {best_path(root)}", flush=True)
 
     # ------------------------------------------------------------------ the run
 
@@ -363,10 +469,35 @@ class TrainingLoop(abc.ABC):
     def _validate(self, step: int, writers: _Writers) -> None:
         result = self.validate(step)
         if result is None:
+            if self.config.trainer.best_metric is not None:
+                raise ConfigError(f"config key 'trainer.best_metric' ({self.config.trainer.best_metric}) ranks "
+                                  "validations, and the run has no validation data (data.val_files)")
             return
-        writers.metrics.log(step, self.reduce_metrics(result.metrics, "val/"), prefix="val/")
+        logged = self.reduce_metrics(result.metrics, "val/")
+        writers.metrics.log(step, logged, prefix="val/")
         rows = self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
         self._log_samples(writers, step, "val", rows, result)
+        self._rank_validation(step, {f"val/{k}": v for k, v in logged.items()})
+
+    def validate_only(self, checkpoint: Path | None = None) -> tuple[int, dict[str, float], list[dict]]:
+        """The configured validation, once, on the model or on ``checkpoint``'s weights (and a flow run's
+        moving average): ``(step, metrics as metrics.jsonl names them, val_generations rows of every
+        process)``. Nothing trains, no checkpoint and no file of the run directory is written (the flow
+        trainer's image grid of the validation aside). ConfigError when the config has no validation data."""
+        if checkpoint is not None:
+            ckpt.load_model_weights(self.policy, checkpoint)
+            self.state = ckpt.load_trainer_state(checkpoint)
+            self.config.trainer.resume = str(checkpoint)  # where on_resume hooks read what the weights lack
+            self.on_resume()
+        self.schema_file.enabled = False  # metrics_schema.json is the training run's
+        step = self.state.global_step
+        with stage("validation", step=step):
+            result = self.validate(step)
+        if result is None:
+            raise ConfigError("there is nothing to validate: the config has no validation data (data.val_files)")
+        logged = {f"val/{k}": v for k, v in self.reduce_metrics(result.metrics, "val/").items()}
+        records = self.gather_records(result.records) if result.records is not None else []
+        return step, logged, records
 
     def train(self) -> dict[str, float]:
         """Run the remaining steps; returns the last step's metrics, reduced over processes.
@@ -388,10 +519,12 @@ class TrainingLoop(abc.ABC):
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")
-            write_text_atomic(self.run_dir / "run_info.json", json.dumps(self.run_info(), indent=2))
+        self._write_run_info()
         # 2. where it starts: a killed run's lines after its last checkpoint are written again below;
         # a fresh start writes every step again (-1 keeps no step's rows, validation's step 0 included)
         resume_step = self.state.global_step if self.resume(checkpoint) else -1
+        if self.best is not None:  # restored with the checkpoint
+            self._write_run_info()
         if resume_step >= 0 and self.state.global_step >= self.total_steps and self.is_main:
             ends = ("trainer.max_steps" if t.max_steps else
                     f"trainer.total_epochs {t.total_epochs} x {self.stream.batches_per_epoch} batches")
@@ -405,6 +538,8 @@ class TrainingLoop(abc.ABC):
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:
                 self._validate(0, writers)
+                if self.total_steps > 0:  # else the run's one checkpoint (stage 5) is step 0's
+                    self._keep_best()
             # 4. the steps (until total_steps, or the first step that ends past trainer.max_wall_seconds)
             started = time.perf_counter()
             while self.state.global_step < self.total_steps:
@@ -433,9 +568,12 @@ class TrainingLoop(abc.ABC):
                     self.save()
                 if t.max_wall_seconds is not None and self._out_of_time(started, t.max_wall_seconds):
                     break
+                if step < self.total_steps:  # the last step's best is linked from stage 5's checkpoint
+                    self._keep_best()
             # 5. the end (a signal during the last step changes nothing: the run is complete)
             if self._checkpointed_step != self.state.global_step:
                 self.save()
+            self._keep_best()
         finally:
             self.prefetcher.close()
             writers.close()

@@ -95,7 +95,6 @@ def test_easyr1_before_0_3_loads_once_its_builtin_scorer_and_entropy_bonus_are_r
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("trainer.val_only=true", "no validation-only run"),
     ("worker.actor.ulysses_size=2", "no sequence parallelism"),
     ("worker.actor.ulysses_sequence_parallel_size=4", "no sequence parallelism"),
     ("algorithm.kl_type=adaptive", "fixed KL coefficient"),
