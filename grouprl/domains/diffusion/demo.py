@@ -27,7 +27,7 @@ import torch
 
 from grouprl.cli import demo_dir, demo_resumes
 from grouprl.files import follow_umask, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
 # --quick: every stage in about a minute of CPU, long enough a pretraining that the model draws squares

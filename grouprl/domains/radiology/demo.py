@@ -16,7 +16,7 @@
 `grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
 data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
 Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
-(paired by seed, grouprl.trainer.seed_stats).
+(paired by seed, grouprl.domains.demos.seed_stats).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from grouprl.cli import DEMO_RESUME_HINT, demo_dir, demo_resumes
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
-from grouprl.trainer.seed_stats import format_difference, format_mean, seed_dir_status
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.seed_stats import format_difference, format_mean, seed_dir_status
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
@@ -319,7 +319,7 @@ def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 
     from rich.console import Console
     from rich.table import Table
 
-    from grouprl.trainer.seed_stats import summarize_seeds
+    from grouprl.domains.demos.seed_stats import summarize_seeds
 
     out = demo_dir(out, "runs/demo-compare", quick)
     statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)

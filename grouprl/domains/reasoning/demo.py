@@ -12,7 +12,7 @@ import torch
 
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import read_json_records, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 
 
 def _model_config(model_path: str) -> dict:
@@ -299,7 +299,7 @@ def guided_seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
     """What ``seed_dir`` holds for this seed (``seed_dir_status``): "new", "complete" (this seed's
     finished run at these sizes) or "incomplete" (an interrupted run, run again from the start);
     a ValueError for another run's results or files the demo does not write."""
-    from grouprl.trainer.seed_stats import seed_dir_status
+    from grouprl.domains.demos.seed_stats import seed_dir_status
 
     return seed_dir_status(
         seed_dir, wanted={"seed": seed, "sizes": sizes, "model": GUIDED_MODEL},
@@ -314,7 +314,7 @@ def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool =
     from rich.console import Console
     from rich.table import Table
 
-    from grouprl.trainer.seed_stats import format_difference, format_mean, summarize_seeds
+    from grouprl.domains.demos.seed_stats import format_difference, format_mean, summarize_seeds
 
     console = Console()
     out = Path(out)
