@@ -91,12 +91,13 @@ NFT_TIMESTEP_FRACTION = 0.3
 def evaluate(model, prompts: list[str], *, seed: int) -> dict:
     """ODE samples (``EVAL_STEPS`` steps, fixed noise) of ``prompts``, scored by the shapes reward."""
     from grouprl.domains.diffusion.pretrain import sample_ode
-    from grouprl.domains.diffusion.shapes import shapes_reward
+    from grouprl.domains.diffusion.shapes import shapes_metric, shapes_reward
 
     images = sample_ode(model, prompts, num_steps=EVAL_STEPS, guidance_scale=1.0, seed=seed,
                         height=IMAGE_SIZE, width=IMAGE_SIZE)
-    scores = shapes_reward(images, prompts)
-    return {"mean_reward": sum(scores) / len(scores), "scores": scores, "images": images}
+    # mean_reward: the validation metric shapes, the number a flow run logs as val/shapes/mean_reward
+    return {"mean_reward": shapes_metric(images, [None] * len(images), prompts=prompts)["mean_reward"],
+            "scores": shapes_reward(images, prompts), "images": images}
 
 
 class _Pretrained:
