@@ -125,7 +125,8 @@ def validated(run_dir: Path) -> dict:
     prefix = "val/report/"
     rows = [r for r in read_json_records(run_dir / "metrics.jsonl") if f"{prefix}mean_reward" in r]
     if not rows:
-        raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no validation with the metric 'report'")
+        raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no validation with the metric 'report' (a run "
+                           "finished by an older grouprl?); run the demo into a new --out directory")
     last = rows[-1]
     generations = [g for g in read_json_records(run_dir / "val_generations.jsonl") if g["step"] == last["step"]]
     numbers = {k[len(prefix):]: v for k, v in last.items() if k.startswith(prefix)}
