@@ -14,7 +14,8 @@ Keys (corpus-level: pooled over every report, not means of per-report values, ex
   (``editgrpo_composite``, the demo's reward), each ``mean_<component>`` beside it;
 - ``chexpert_micro_f1_14``, ``chexpert_macro_f1_14``: CheXpert-label F1 over 14 observations;
 - ``radgraph_f1_partial``: RadGraph corpus F1 (partial match);
-- ``finding_f1_micro``, ``finding_f1_macro``, ``finding_accuracy``: finding-level scores;
+- ``finding_f1_micro``, ``finding_f1_macro``, ``finding_accuracy``: finding-level scores, and
+  ``finding_f1_per_sample``, the mean of each report's finding F1;
 - ``mean_words``: words per generated report.
 """
 
@@ -45,25 +46,23 @@ def report_metric(completions: Sequence[str], references: Sequence[str], **colum
         "radgraph_f1_partial": radgraph["partial"],
         "finding_f1_micro": findings["micro_f1"],
         "finding_f1_macro": findings["macro_f1"],
+        "finding_f1_per_sample": findings["sample_f1"],
         "finding_accuracy": findings["accuracy"],
         "mean_words": sum(len(r.split()) for r in reports) / len(reports),
     }
 
 
 def report_details(reports: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-    """What the demo's summary.json keeps beside the numbers: ``finding_f1_per_sample``, each score's
-    ``backends`` and three ``examples``."""
-    from grouprl.domains.radiology.findings import corpus_finding_scores
+    """What the demo's summary.json keeps beside the numbers: each score's ``backends`` and three ``examples``."""
+    from grouprl.domains.radiology.findings import BACKEND as FINDINGS_BACKEND
     from grouprl.domains.radiology.rewards.chexpert import BACKEND as CHEXPERT_BACKEND
     from grouprl.domains.radiology.rewards.components import get_component
     from grouprl.domains.radiology.rewards.rewards import EDITGRPO_COMPONENTS
 
     reports, refs = _checked(reports, references)
-    findings = corpus_finding_scores(reports, refs)
     return {
-        "finding_f1_per_sample": findings["sample_f1"],
         "backends": {name: get_component(name).backend for name in EDITGRPO_COMPONENTS}
-        | {"findings": findings["backend"], "chexpert_f1": CHEXPERT_BACKEND},
+        | {"findings": FINDINGS_BACKEND, "chexpert_f1": CHEXPERT_BACKEND},
         "examples": [{"reference": r, "generated": g} for r, g in list(zip(refs, reports))[:3]],
     }
 
