@@ -54,7 +54,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
     from grouprl.data import load_samples
     from grouprl.models.loading import load_model_and_processor
 
-    val = load_samples([str(out / "data" / "val")], format="llava")
+    val = load_samples([str(out / "data" / "val" / "data.json")], format="llava")
     grpo_model, processor, _ = load_model_and_processor(str(out / "grpo" / "checkpoints" / f"global_step_{steps}"
                                                             / "model"))
     again = real_evaluate(grpo_model, processor, [val[i] for i in range(len(val))])
