@@ -59,6 +59,9 @@ def validate(config: Config) -> None:
         if not 0 < getattr(rollout, key) <= 1:
             raise ConfigError(f"config key 'worker.rollout.{key}' must be in (0, 1]; got {getattr(rollout, key)}")
     _positive("worker.rollout.val_n", rollout.val_n)
+    from grouprl.trainer.task_metrics import check_task_metric_names  # domains register task metrics
+
+    check_task_metric_names(config.trainer.val_metrics)
     rollout.verifier.check("worker.rollout.verifier")
     if rollout.verifier.backend != "auto":
         from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)

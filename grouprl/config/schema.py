@@ -524,6 +524,10 @@ class TrainerConfig:
     val_freq: int = -1  # -1 = never during training
     val_before_train: bool = False
     val_generations_to_log: int = 4
+    # task metrics computed at each validation on the whole validation set against the references,
+    # beside the rewards, logged as val/<name>/<key> (grouprl.trainer.task_metrics; e.g. radiology's
+    # report, reasoning's exact_match, diffusion's shapes)
+    val_metrics: list[str] = field(default_factory=list)
     save_freq: int = -1  # -1 = only at the end
     save_limit: int = -1  # -1 = keep every checkpoint
     save_checkpoint_path: str | None = None  # default: <output_dir>/checkpoints

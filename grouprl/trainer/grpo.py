@@ -36,6 +36,7 @@ from grouprl.trainer.parallel import full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
+from grouprl.trainer.task_metrics import validation_task_metrics
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 from grouprl.trainer.val_metrics import group_rows, record_val_metrics
 
@@ -853,7 +854,8 @@ class GRPOTrainer(TrainingLoop):
 
         Besides the per-response reward metrics (``rewards/{key}/mean`` ...), ``worker.rollout.val_n``
         responses per prompt give per-prompt ``mean@k``, ``best@k``, ``worst@k``, ``pass@k`` with
-        standard errors, per data source too (``trainer.val_metrics``). A process may get no
+        standard errors, per data source too (module ``val_metrics``); the task metrics that
+        ``trainer.val_metrics`` names score the whole validation set (module ``task_metrics``). A process may get no
         validation sample (fewer samples than processes): it still reports every key, with no
         weight. None without a validation set.
         """
@@ -864,7 +866,7 @@ class GRPOTrainer(TrainingLoop):
         size = self.config.data.val_batch_size
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         indices = list(range(len(self.val_dataset)))[rank::world]
-        results, records, prompt_of_row, row_sources, images = [], [], [], [], []
+        results, records, prompt_of_row, row_sources, images, generations = [], [], [], [], [], []
         for start in range(0, len(indices), size):
             samples = [self.val_dataset[i] for i in indices[start:start + size]]
             mark("generate")
@@ -882,6 +884,10 @@ class GRPOTrainer(TrainingLoop):
                            for s, r, sc in zip(batch.samples, batch.responses, result.total))
             if not images:
                 images = prompt_images(batch.samples, self.config.trainer.log_samples_rows)
+            if self.config.trainer.val_metrics:  # the task metrics' rows, gathered below
+                generations.extend({"completion": r, "reference": s.answer, "prompt": s.prompt_text(),
+                                    "prompt_index": indices[start + int(g)], "columns": dict(s.columns)}
+                                   for s, r, g in zip(batch.samples, batch.responses, batch.group_index))
         joined = join_results(results, self.rewards.keys, self.rewards.weights)
         record_rewards(metrics, joined, self.rewards.keys)
         groups = group_rows(prompt_of_row)
@@ -893,4 +899,6 @@ class GRPOTrainer(TrainingLoop):
             sources = sorted(set(gather_object(sources)))
         record_val_metrics(metrics, groups, joined.components, joined.total, params.n, self.reward_thresholds,
                            prompt_sources, sources)
+        mark("task_metrics")
+        validation_task_metrics(metrics, self.config.trainer.val_metrics, generations, self.accelerator)
         return StepResult(metrics, records=records, images=images)

@@ -5,7 +5,8 @@
    registry's ``"module:attr"`` reference, an entry point). The one exception is the
    old import paths kept for a release (:mod:`grouprl.moved`): a module whose whole body
    is one ``alias_package("old", "new")`` call.
-2. No domain imports another.
+2. No domain imports another. ``grouprl.domains.demos`` (what the demos share) is no domain:
+   every domain may import it, and it imports no domain.
 3. Inside the core, a module imports only from its own layer or the layers above it
    (``CORE_LAYERS``, top first); config's cross-field checks may look up registries.
 """
@@ -32,7 +33,8 @@ CORE_LAYERS = [
     ["grouprl.cli", "grouprl.__main__", "grouprl"],
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)
-REGISTRY_LOOKUPS = {"grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier"}}
+REGISTRY_LOOKUPS = {"grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier",
+                                               "grouprl.trainer.task_metrics"}}
 
 
 def module_name(path: Path) -> str:
@@ -82,9 +84,17 @@ def is_moved_alias(tree: ast.Module) -> bool:
             and all(isinstance(a, ast.Constant) or getattr(a, "id", None) == "__name__" for a in call.args))
 
 
+# shared by the domains' demos: importable from every domain, importing none
+SHARED = "grouprl.domains.demos"
+
+
 def domain_of(name: str) -> str | None:
     parts = name.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "domains" else None
+    return parts[2] if len(parts) > 2 and parts[1] == "domains" and not is_shared(name) else None
+
+
+def is_shared(name: str) -> bool:
+    return name == SHARED or name.startswith(SHARED + ".")
 
 
 def layer_of(name: str) -> int | None:
@@ -108,6 +118,8 @@ def violations(mods: dict[str, ast.Module]) -> list[str]:
             theirs = domain_of(target)
             if target.startswith("grouprl.domains") and not in_domains:
                 out.append(f"{name}:{line} imports {target}: the core may not import a domain")
+            elif is_shared(name) and theirs:
+                out.append(f"{name}:{line} imports {target}: {SHARED} may not import a domain")
             elif mine and theirs and theirs != mine:
                 out.append(f"{name}:{line} imports {target}: a domain may not import another ({mine} -> {theirs})")
             elif not in_domains and not target.startswith("grouprl.domains"):
@@ -135,6 +147,7 @@ def test_the_core_imports_no_domain_and_layers_hold():
     ("grouprl.rewards.contract", "def f():\n    from grouprl.domains.diffusion import scheduler\n"),
     ("grouprl.cli", "X = 'grouprl.domains.reasoning.demo:run_guided_demo'\n"),
     ("grouprl.domains.diffusion.trainer", "from grouprl.domains.radiology import findings\n"),
+    ("grouprl.domains.demos.curves", "from grouprl.domains.reasoning import demo\n"),
     ("grouprl.config", "from grouprl.trainer import checkpoint\n"),
 ])
 def test_a_planted_import_is_caught(source, planted):

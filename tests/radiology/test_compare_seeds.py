@@ -8,8 +8,9 @@ import pytest
 
 from grouprl.domains.radiology import demo
 from grouprl.cli import main
-from grouprl.trainer.seed_stats import (HOLDS, NO_INTERVAL, REVERSED, WITHIN, chain_verdict, paired_differences,
-                                paired_interval, summarize_seeds, t_interval, t_quantile, verdict)
+from grouprl.domains.demos.seed_stats import (HOLDS, NO_INTERVAL, REVERSED, WITHIN, chain_verdict,
+                                              paired_differences, paired_interval, summarize_seeds, t_interval,
+                                              t_quantile, verdict)
 
 # ---------------------------------------------------------------------------- statistics
 

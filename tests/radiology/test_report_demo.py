@@ -47,13 +47,27 @@ def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
     assert sft.keys() == grpo.keys()
     changed = max((sft[k] - grpo[k]).abs().max().item() for k in sft)
     assert 0.0 < changed < 1e-2
-    # and the summary's rows are the evaluations of those two models, not one copied
-    sft_row_scored_sft = same_weights(seen[summary["sft"]["evaluation_call"]], sft)
-    grpo_row_scored_grpo = same_weights(seen[summary["sft_grpo"]["evaluation_call"]], grpo)
-    assert sft_row_scored_sft and grpo_row_scored_grpo
+    # and the summary's rows are the evaluations of those two models, not one copied: the SFT row the
+    # demo's evaluate of the SFT model, the SFT+GRPO row the GRPO run's own last validation (the
+    # validation metric report on its greedy reports), which is exactly what evaluate gives the GRPO model
+    assert same_weights(seen[summary["sft"]["evaluation_call"]], sft) and len(seen) == 1
+    from grouprl.data import load_samples
+    from grouprl.models.loading import load_model_and_processor
+
+    val = load_samples([str(out / "data" / "val" / "data.json")], format="llava")
+    grpo_model, processor, _ = load_model_and_processor(str(out / "grpo" / "checkpoints" / f"global_step_{steps}"
+                                                            / "model"))
+    again = real_evaluate(grpo_model, processor, [val[i] for i in range(len(val))])
+    assert {k: summary["sft_grpo"][k] for k in again} == again
+    validation = [m for m in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
+                  if "val/report/finding_f1_micro" in m]
+    assert [m["step"] for m in validation] == [steps]
+    assert {k: validation[0][f"val/report/{k}"] for _, k in demo.TABLE_COLUMNS} == \
+        {k: again[k] for _, k in demo.TABLE_COLUMNS}
 
     # the training curve comes from GRPO's updates: every step had a learning signal and took a step
-    metrics = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
+               if "val/report/mean_reward" not in m]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     rollouts = [json.loads(x) for x in (out / "grpo" / "rollouts.jsonl").read_text().splitlines()]
     per_step = summary["sizes"]["prompts_per_step"] * summary["sizes"]["n"]

@@ -105,7 +105,7 @@ PLUMBING = dict(train=48, corrections=8, val=12, max_value=10, sft_epochs=1, grp
 
 
 def test_guided_seeds_report_intervals_and_paired_differences_from_each_seed(tmp_path, capsys, monkeypatch):
-    from grouprl.trainer.seed_stats import paired_interval, t_interval, verdict
+    from grouprl.domains.demos.seed_stats import paired_interval, t_interval, verdict
 
     monkeypatch.setattr(demo, "GUIDED_QUICK", PLUMBING)
     out = tmp_path / "seeds"

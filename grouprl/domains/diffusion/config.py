@@ -57,6 +57,7 @@ from grouprl.config import (
     config_sources,
     read_config_values,
 )
+from grouprl.trainer.task_metrics import check_task_metric_names
 
 FLOW_ALGORITHMS = ("flow_grpo", "flow_grpo_fast", "grpo_guard", "diffusion_nft")
 
@@ -173,6 +174,9 @@ class FlowRolloutConfig:
     val_num_steps: int = 40  # validation: ODE (no noise) with more steps
     val_guidance_scale: float | None = None  # None: guidance_scale
     val_seed: int = 0  # validation noise: the same images every time for the same weights
+    # images per validation prompt, each from its own noise: val/.../mean@k, best@k, worst@k, pass@k
+    # (a reward's pass threshold: worker.reward.functions[i].threshold)
+    val_n: int = 1
     val_images_to_log: int = 16  # images in the validation grid PNG
 
 
@@ -272,13 +276,14 @@ def validate_flow(config: FlowConfig) -> None:
     for key, value in (("data.rollout_batch_size", config.data.rollout_batch_size), ("worker.rollout.n", rollout.n),
                        ("worker.rollout.num_steps", rollout.num_steps), ("worker.rollout.height", rollout.height),
                        ("worker.rollout.width", rollout.width), ("worker.rollout.micro_batch_size", rollout.micro_batch_size),
-                       ("worker.rollout.val_num_steps", rollout.val_num_steps),
+                       ("worker.rollout.val_num_steps", rollout.val_num_steps), ("worker.rollout.val_n", rollout.val_n),
                        ("worker.actor.micro_batch_size", actor.micro_batch_size),
                        ("worker.actor.num_minibatches", actor.num_minibatches), ("worker.actor.ppo_epochs", actor.ppo_epochs),
                        ("algorithm.clip_range", algo.clip_range), ("worker.rollout.guidance_scale", rollout.guidance_scale)):
         _positive(key, value)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.noise_level", rollout.noise_level, allow_zero=True)
+    check_task_metric_names(config.trainer.val_metrics)
     if rollout.n < 2:
         raise ConfigError(f"config key 'worker.rollout.n' must be >= 2 for group-relative advantages; got {rollout.n}")
     if rollout.noise_level == 0 and algo.name != "diffusion_nft":

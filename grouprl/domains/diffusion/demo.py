@@ -27,7 +27,7 @@ import torch
 
 from grouprl.cli import demo_dir, demo_resumes
 from grouprl.files import follow_umask, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 
 FULL = dict(pretrain_steps=1500, pretrain_batch=32, pairs=4096, grpo_steps=200, prompts_per_step=4, n=8, held_out=64)
 # --quick: every stage in about a minute of CPU, long enough a pretraining that the model draws squares
@@ -91,12 +91,13 @@ NFT_TIMESTEP_FRACTION = 0.3
 def evaluate(model, prompts: list[str], *, seed: int) -> dict:
     """ODE samples (``EVAL_STEPS`` steps, fixed noise) of ``prompts``, scored by the shapes reward."""
     from grouprl.domains.diffusion.pretrain import sample_ode
-    from grouprl.domains.diffusion.shapes import shapes_reward
+    from grouprl.domains.diffusion.shapes import shapes_metric, shapes_reward
 
     images = sample_ode(model, prompts, num_steps=EVAL_STEPS, guidance_scale=1.0, seed=seed,
                         height=IMAGE_SIZE, width=IMAGE_SIZE)
-    scores = shapes_reward(images, prompts)
-    return {"mean_reward": sum(scores) / len(scores), "scores": scores, "images": images}
+    # mean_reward: the validation metric shapes, the number a flow run logs as val/shapes/mean_reward
+    return {"mean_reward": shapes_metric(images, [None] * len(images), prompts=prompts)["mean_reward"],
+            "scores": shapes_reward(images, prompts), "images": images}
 
 
 class _Pretrained:

@@ -1,6 +1,7 @@
 """The diffusion domain's parts, registered by name (the ``diffusion`` entry point of ``grouprl.plugins``).
 
-The image rewards (``ocr``, ``vlm_judge``, ``image_brightness``, ``shapes``), the flow
+The image rewards (``ocr``, ``vlm_judge``, ``image_brightness``, ``shapes``), the validation
+metric ``shapes`` (the demo's held-out comparison), the flow
 trainer as the trainer kind ``flow`` (a config file with ``kind: flow``) and the
 Flow-GRPO-Fast demo as `grouprl demo --flow`. Registered lazily: naming a part imports
 its module, so loading the plugin imports neither diffusers nor the image rewards.
@@ -9,12 +10,14 @@ its module, so loading the plugin imports neither diffusers nor the image reward
 from grouprl.cli import DEMOS, Demo
 from grouprl.rewards.registry import register_image_reward
 from grouprl.trainer.kinds import TRAINER_KINDS, TrainerKind
+from grouprl.trainer.task_metrics import TASK_METRICS
 
 # The image rewards (grouprl.domains.diffusion.rewards), by the names configs use.
 register_image_reward("ocr", "grouprl.domains.diffusion.rewards:ocr_reward")
 register_image_reward("vlm_judge", "grouprl.domains.diffusion.rewards:vlm_judge_reward")
 register_image_reward("image_brightness", "grouprl.domains.diffusion.rewards:image_brightness_reward")
 register_image_reward("shapes", "grouprl.domains.diffusion.rewards:shapes_task_reward")
+TASK_METRICS.register("shapes", "grouprl.domains.diffusion.shapes:shapes_metric")
 
 TRAINER_KINDS.register("flow", TrainerKind(
     config="grouprl.domains.diffusion.config:flow_config_from_dict",

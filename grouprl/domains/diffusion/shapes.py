@@ -307,3 +307,22 @@ def shapes_reward(images: Sequence[Any], prompts: Sequence[str], **metadata: Any
         raise ValueError(f"shapes_reward: {len(images)} images but {len(prompts)} prompts")
     return [score_image(image, parse_prompt(prompt)) for image, prompt in zip(images, prompts)]
 
+
+
+# the flow demo's held-out table counts an image as drawn right from this score on
+PASS_SCORE = 0.5
+
+
+def shapes_metric(completions: Sequence[Any], references: Sequence[Any], *, prompts: Sequence[str],
+                  **columns: Any) -> dict[str, float]:
+    """The validation metric ``shapes``: the flow demo's held-out comparison, over every validation image.
+
+    ``mean_reward`` = (1/N) sum_i s_i and ``pass_rate`` = (1/N) #{i : s_i >= PASS_SCORE}, with s_i the
+    :func:`shapes_reward` of image i against its prompt (the demo table's "mean reward" and
+    "reward >= 0.5"). ``references`` are not read: the prompt says what the image must show.
+    """
+    scores = shapes_reward(completions, prompts)
+    if not scores:
+        raise ValueError("no images to score")
+    return {"mean_reward": sum(scores) / len(scores),
+            "pass_rate": sum(s >= PASS_SCORE for s in scores) / len(scores)}

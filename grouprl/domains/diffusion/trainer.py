@@ -93,6 +93,8 @@ from grouprl.trainer.parallel import make_accelerator, mark
 from grouprl.trainer.precision import precision_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
+from grouprl.trainer.task_metrics import validation_task_metrics
+from grouprl.trainer.val_metrics import record_val_metrics
 from grouprl.trainer.update import UpdateSettings, run_update
 
 
@@ -300,6 +302,9 @@ class FlowGRPOTrainer(TrainingLoop):
         reward = config.worker.reward
         self.rewards = ImageRewardSet.from_specs(reward.functions, timeout=reward.timeout)
         self.val_rewards = ImageRewardSet.from_specs(reward.val_functions or reward.functions, timeout=reward.timeout)
+        # validation's pass@k: each reward's threshold, in the order of its keys
+        self.val_thresholds = {key: float(spec.threshold) for key, spec in
+                               zip(self.val_rewards.keys, reward.val_functions or reward.functions)}
         self.sched = schedule(self.model.scheduler, rollout.num_steps)
 
     def _add_lora(self, transformer, lora):
@@ -756,8 +761,14 @@ class FlowGRPOTrainer(TrainingLoop):
         """ODE samples of the validation prompts (fixed noise), their rewards and an image grid; with
         ``worker.actor.ema`` sampled with the moving average of the weights (the weights are put back after).
 
-        A process may get no validation prompt (fewer prompts than processes): it still
-        reports every key, with no weight. None without validation prompts.
+        ``worker.rollout.val_n = k`` images per prompt, each from its own noise (drawn in order from one
+        generator seeded with ``val_seed``: reproducible, and k = 1 draws what one image per prompt always
+        drew), give ``mean@k``, ``best@k``, ``worst@k`` and ``pass@k`` per reward and for the weighted total,
+        per ``data_source`` too, as the language trainer's (``grouprl.trainer.val_metrics``); the task
+        metrics that ``trainer.val_metrics`` names score every image of the whole set
+        (``grouprl.trainer.task_metrics``: the completions are PIL images). A process may get no
+        validation prompt (fewer prompts than processes): it still reports every key, with no weight.
+        None without validation prompts.
         """
         from PIL import Image
 
@@ -767,40 +778,57 @@ class FlowGRPOTrainer(TrainingLoop):
             return None
         config, rollout = self.config, self.config.worker.rollout
         metrics = StepMetrics()
-        records = self.val_records[self.accelerator.process_index::self.accelerator.num_processes]
+        rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, rollout.val_n
+        positions = list(range(len(self.val_records)))[rank::world]
+        records = [self.val_records[i] for i in positions]
         scale = rollout.val_guidance_scale if rollout.val_guidance_scale is not None else rollout.guidance_scale
         sched = schedule(self.model.scheduler, rollout.val_num_steps)
         self.sched = schedule(self.model.scheduler, rollout.num_steps)  # set_timesteps changed the scheduler's state
         generator = torch.Generator().manual_seed(rollout.val_seed)
-        images, prompts, metadata = [], [], {}
+        # one row per image: a prompt's k images together
+        row_records = [r for r in records for _ in range(k)]
+        prompts = [r[config.data.prompt_key] for r in row_records]
+        metadata = {key: [r.get(key) for r in row_records]
+                    for key in sorted({key for r in records for key in r if key != config.data.prompt_key})}
+        images = []
         mark("sample")
         # flow_grpo validates (and saves) the moving average: the raw weights come back after the block
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             for start in range(0, len(records), config.data.val_batch_size):
-                chunk = records[start:start + config.data.val_batch_size]
-                chunk_prompts = [r[config.data.prompt_key] for r in chunk]
+                chunk_prompts = prompts[start * k:(start + config.data.val_batch_size) * k]
                 text = encode(self.model, chunk_prompts, scale)
                 text = PromptEmbeddings(*(None if x is None else x.to(self.device) for x in
                                           (text.embeds, text.pooled, text.negative_embeds, text.negative_pooled)))
                 with self.precision.autocast(self.device):  # as the training rollouts
-                    traj = sample(self.policy, text, self._noise(len(chunk), generator), sched, guidance_scale=scale,
-                                  noise_level=0.0, input_dtype=self.precision.compute_dtype)
+                    traj = sample(self.policy, text, self._noise(len(chunk_prompts), generator), sched,
+                                  guidance_scale=scale, noise_level=0.0, input_dtype=self.precision.compute_dtype)
                 images.extend(self.model.decode(traj.final))
-                prompts.extend(chunk_prompts)
-                for k in {k for r in chunk for k in r if k != config.data.prompt_key}:
-                    metadata.setdefault(k, [])
-                for k in metadata:
-                    metadata[k].extend(r.get(k) for r in chunk)
         mark("reward")
         result = self.val_rewards.score(images, prompts, metadata)
         record_rewards(metrics, result, self.val_rewards.keys)
+        groups = [list(range(i * k, (i + 1) * k)) for i in range(len(records))]
+        prompt_sources = [None if r.get("data_source") is None else str(r["data_source"]) for r in records]
+        sources = sorted({s for s in prompt_sources if s is not None})
+        if world > 1:  # every process declares every source's keys
+            from accelerate.utils import gather_object
+
+            sources = sorted(set(gather_object(sources)))
+        record_val_metrics(metrics, groups, result.components, result.total, k, self.val_thresholds,
+                           prompt_sources, sources)
+        if config.trainer.val_metrics:
+            mark("task_metrics")
+            rows = [{"completion": image, "reference": r.get("answer"), "prompt": p,
+                     "prompt_index": positions[i // k],
+                     "columns": {key: v for key, v in r.items() if key != config.data.prompt_key}}
+                    for i, (image, p, r) in enumerate(zip(images, prompts, row_records))]
+            validation_task_metrics(metrics, config.trainer.val_metrics, rows, self.accelerator)
         logged = []
         if self.is_main and rollout.val_images_to_log > 0:
-            k = rollout.val_images_to_log
-            path = save_grid(images[:k], self.run_dir / "val_images" / f"step_{step:06d}.png",
+            shown = rollout.val_images_to_log
+            path = save_grid(images[:shown], self.run_dir / "val_images" / f"step_{step:06d}.png",
                              # long prompts shortened: the caption wraps, so it grows with the text
                              captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
-                                       for p, s in zip(prompts[:k], result.total[:k])])
+                                       for p, s in zip(prompts[:shown], result.total[:shown])])
             with Image.open(path) as saved:  # the loggers get the grid as saved, captions included
                 logged.append((f"validation step {step}", saved.copy()))
         return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)],

@@ -16,7 +16,7 @@
 `grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
 data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
 Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
-(paired by seed, grouprl.trainer.seed_stats).
+(paired by seed, grouprl.domains.demos.seed_stats).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from grouprl.cli import DEMO_RESUME_HINT, demo_dir, demo_resumes
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
-from grouprl.trainer.seed_stats import format_difference, format_mean, seed_dir_status
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.seed_stats import format_difference, format_mean, seed_dir_status
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
@@ -47,6 +47,8 @@ REWARD = "editgrpo_composite"  # radgraphf1 + cxb14micro + ratescore, in [0, 3]
 # build_tiny_vlm's options for the demo model (about 180k parameters); recorded in summary.json
 DEMO_MODEL = dict(vocab_size=1024)
 # the held-out table's columns: (title, key of evaluate()'s result)
+# prompts per greedy generation call, in the demo's evaluation and its GRPO runs' validation alike
+VAL_BATCH = 48
 TABLE_COLUMNS = [("reward", "mean_reward"), ("RadGraph", "mean_radgraphf1"), ("CheXpert", "mean_cxb14micro"),
                  ("RaTE", "mean_ratescore"), ("F1 micro", "finding_f1_micro"), ("F1 macro", "finding_f1_macro"),
                  ("words", "mean_words")]
@@ -70,7 +72,7 @@ def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tu
         "trainer": {**trainer, "output_dir": str(out / "sft"), "experiment_name": "demo-sft"},
     }
     grpo = {
-        "data": {**common_data, "rollout_batch_size": sizes["prompts_per_step"], "val_batch_size": 64},
+        "data": {**common_data, "rollout_batch_size": sizes["prompts_per_step"], "val_batch_size": VAL_BATCH},
         "algorithm": {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "kl_coef": 0.0},
         "worker": {
             "actor": {"model": _model_config(str(out / "sft_model")),
@@ -86,19 +88,22 @@ def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tu
             "rollout": {"n": sizes["n"], "temperature": 0.7, "engine": "hf_lean"},
             "reward": {"functions": [{"name": REWARD, "weight": 1.0}]},
         },
+        # the held-out table's row: greedy reports (val_temperature 0, val_n 1) scored by the validation
+        # metric report after the last step, every report kept in val_generations.jsonl
         "trainer": {**trainer, "output_dir": str(out / "grpo"), "experiment_name": "demo-grpo",
-                    "max_steps": sizes["grpo_steps"], "save_freq": -1, "save_limit": 1, "val_freq": -1},
+                    "max_steps": sizes["grpo_steps"], "save_freq": -1, "save_limit": 1,
+                    "val_freq": sizes["grpo_steps"], "val_metrics": ["report"],
+                    "val_generations_to_log": sizes["val"]},
     }
+    grpo["worker"]["rollout"].update(val_temperature=0.0, val_n=1)
     return sft, grpo
 
 
 @torch.no_grad()
-def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size: int = 48) -> dict:
-    """Greedy reports for held-out studies: the training reward, clinical metrics and finding-level F1."""
-    from grouprl.domains.radiology.findings import corpus_finding_scores
-    from grouprl.domains.radiology.rewards import chexpert_f1_reports, radgraph_corpus_f1, score_components
-    from grouprl.domains.radiology.rewards.components import get_component
-    from grouprl.domains.radiology.rewards.rewards import EDITGRPO_COMPONENTS
+def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size: int = VAL_BATCH) -> dict:
+    """Greedy reports for held-out studies: the training reward, clinical metrics and finding-level F1
+    (``report_metrics.report_scores``, the validation metric ``report``)."""
+    from grouprl.domains.radiology.report_metrics import report_scores
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.lean_engine import LeanGenerationEngine
 
@@ -107,27 +112,25 @@ def evaluate(model, processor, samples, *, max_new_tokens: int = 96, batch_size:
     reports = []
     for start in range(0, len(samples), batch_size):
         reports.extend(engine.generate(samples[start:start + batch_size], params).responses)
-    refs = [s.answer for s in samples]
-    components = score_components(reports, refs, EDITGRPO_COMPONENTS)
-    rewards = [sum(values) for values in zip(*components.values())]
-    findings = corpus_finding_scores(reports, refs)
-    chexpert = chexpert_f1_reports(reports, refs)
-    radgraph = radgraph_corpus_f1(reports, refs)
-    return {
-        "mean_reward": sum(rewards) / len(rewards),
-        **{f"mean_{name}": sum(v) / len(v) for name, v in components.items()},
-        "chexpert_micro_f1_14": chexpert["micro_f1_14"],
-        "chexpert_macro_f1_14": chexpert["macro_f1_14"],
-        "radgraph_f1_partial": radgraph["partial"],
-        "finding_f1_micro": findings["micro_f1"],
-        "finding_f1_macro": findings["macro_f1"],
-        "finding_f1_per_sample": findings["sample_f1"],
-        "finding_accuracy": findings["accuracy"],
-        "backends": {name: get_component(name).backend for name in EDITGRPO_COMPONENTS}
-        | {"findings": findings["backend"], "chexpert_f1": chexpert["backend"]},
-        "mean_words": sum(len(r.split()) for r in reports) / len(reports),
-        "examples": [{"reference": r, "generated": g} for r, g in list(zip(refs, reports))[:3]],
-    }
+    return report_scores(reports, [s.answer for s in samples])
+
+
+def validated(run_dir: Path) -> dict:
+    """The held-out row of a GRPO run from its last validation: the ``val/report/*`` numbers of its
+    metrics.jsonl (greedy reports, the validation metric ``report``) and, from the reports in its
+    val_generations.jsonl, what summary.json keeps beside them (``report_metrics.report_details``)."""
+    from grouprl.domains.radiology.report_metrics import report_details
+    from grouprl.files import read_json_records
+
+    prefix = "val/report/"
+    rows = [r for r in read_json_records(run_dir / "metrics.jsonl") if f"{prefix}mean_reward" in r]
+    if not rows:
+        raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no validation with the metric 'report' (a run "
+                           "finished by an older grouprl?); run the demo into a new --out directory")
+    last = rows[-1]
+    generations = [g for g in read_json_records(run_dir / "val_generations.jsonl") if g["step"] == last["step"]]
+    numbers = {k[len(prefix):]: v for k, v in last.items() if k.startswith(prefix)}
+    return {**numbers, **report_details([g["response"] for g in generations], [g["reference"] for g in generations])}
 
 
 
@@ -199,7 +202,7 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
         trainer = GRPOTrainer(config_from_dict(cfg))
         trainer.resume_hint = DEMO_RESUME_HINT
         trainer.train()
-        results[label] = evaluate(trainer.policy, trainer.processor, samples)
+        results[label] = validated(out / key)
         curves[label] = out / key / "metrics.jsonl"
 
     console.rule(f"[bold]{steps}/{steps} held-out evaluation")
@@ -319,7 +322,7 @@ def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 
     from rich.console import Console
     from rich.table import Table
 
-    from grouprl.trainer.seed_stats import summarize_seeds
+    from grouprl.domains.demos.seed_stats import summarize_seeds
 
     out = demo_dir(out, "runs/demo-compare", quick)
     statuses = check_seed_dirs(out, seeds=seeds, seed=seed, quick=quick)

@@ -3,9 +3,10 @@
 Importing this module registers the report rewards (``editgrpo_composite``,
 ``kg_consistency``, the RadVLM task rewards, the synthetic task's ``finding_f1``...),
 EditGRPO's edits as the rollout transform ``editgrpo_edits`` (built from
-``worker.rollout.extractor*``), the client of ``worker.reward.reward_server``, the
-commands `grouprl generate`, `eval`, `sample` and `serve rewards`, and the report demos
-(`grouprl demo`, the default, and `grouprl demo --compare`). Commands and demos are
+``worker.rollout.extractor*``), the validation metric ``report`` (the demo's held-out
+table), the client of ``worker.reward.reward_server``, the commands `grouprl generate`,
+`eval`, `sample` and `serve rewards`, and the report demos (`grouprl demo`, the default,
+and `grouprl demo --compare`). Commands and demos are
 registered by reference: their module is imported when the command line is built.
 """
 
@@ -16,9 +17,11 @@ import grouprl.domains.radiology.rewards.radvlm_tasks  # noqa: F401
 from grouprl.cli import COMMANDS, DEMOS
 from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
 from grouprl.rollout.transforms import ROLLOUT_TRANSFORMS
+from grouprl.trainer.task_metrics import TASK_METRICS
 
 ROLLOUT_TRANSFORMS.register("editgrpo_edits", "grouprl.domains.radiology.edits:edit_transform_from_config")
 REWARD_SERVER_CLIENTS.register("reward_server", "grouprl.domains.radiology.server.client:client_from_config")
+TASK_METRICS.register("report", "grouprl.domains.radiology.report_metrics:report_metric")
 
 COMMANDS.register("generate", "grouprl.domains.radiology.commands:GENERATE")
 COMMANDS.register("eval", "grouprl.domains.radiology.commands:EVAL")

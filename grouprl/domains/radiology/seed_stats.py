@@ -1,5 +1,5 @@
-"""Moved to :mod:`grouprl.trainer.seed_stats` (every demo's seed statistics); this path works for one release."""
+"""Moved to :mod:`grouprl.domains.demos.seed_stats` (every demo's seed statistics); this path works for one release."""
 
 from grouprl.moved import alias_package
 
-alias_package(__name__, "grouprl.trainer.seed_stats")
+alias_package(__name__, "grouprl.domains.demos.seed_stats")

@@ -12,7 +12,7 @@ import torch
 
 from grouprl.config import config_from_dict, merge_values
 from grouprl.files import read_json_records, write_text_atomic
-from grouprl.trainer.curves import curve_line, plot_reward_curves
+from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 
 
 def _model_config(model_path: str) -> dict:
@@ -123,15 +123,14 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
       mean length).
     """
     from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.exact_match import answer_right, exact_match
     from grouprl.domains.reasoning.verifier import RuleVerifier
-    from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
     from grouprl.rollout.engine import SamplingParams
     from grouprl.rollout.hf_engine import HFGenerationEngine
     from grouprl.rollout.multiturn import MultiTurnRollout
 
     def right(sample, response: str) -> bool:
-        got = final_answer(response)
-        return got is not None and answers_match(extract_answer(sample.answer), got)
+        return answer_right(response, sample.answer)
 
     engine = HFGenerationEngine(model, processor)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
@@ -148,11 +147,9 @@ def evaluate_arithmetic(model, processor, samples, *, max_new_tokens: int = GUID
         sampled_tokens.extend(tries.response_mask.sum(dim=1).tolist())
         any_of_k.extend(any(right(s, r) for r in tries.responses[i * EVAL_TURNS:(i + 1) * EVAL_TURNS])
                         for i, s in enumerate(chunk))
-    finals = [final_answer(r) for r in responses]
     correct = [right(s, r) for s, r in zip(samples, responses)]
     return {
-        "accuracy": sum(correct) / len(samples),
-        "format_rate": sum(f is not None for f in finals) / len(samples),
+        **exact_match(responses, [s.answer for s in samples]),  # accuracy, format_rate: the validation metric
         "with_verifier": sum(guided) / len(samples),
         "pass_at_3": sum(any_of_k) / len(samples),
         "sampled_tokens_mean": sum(sampled_tokens) / len(sampled_tokens),  # of the pass@3 samples
@@ -184,16 +181,15 @@ def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed
     ``verdict`` says which, with the difference against twice its standard error (the k samples of
     one problem are not independent, so it is a lower bound on the noise)."""
     from grouprl.config import VerifierConfig
+    from grouprl.domains.reasoning.exact_match import answer_right
     from grouprl.domains.reasoning.verifier import RuleVerifier
-    from grouprl.rewards.rule_based import answers_match, extract_answer, final_answer
     from grouprl.rollout.engine import EncodedPrompt, SamplingParams
     from grouprl.rollout.hf_engine import HFGenerationEngine
     from grouprl.rollout.multiturn import problem_text, turn_boundary_ids
     from grouprl.rollout.verifier import VerifierRequest
 
     def right(sample, response: str) -> bool:
-        got = final_answer(response)
-        return got is not None and answers_match(extract_answer(sample.answer), got)
+        return answer_right(response, sample.answer)
 
     engine = HFGenerationEngine(model, processor)
     first = engine.generate(samples, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
@@ -299,7 +295,7 @@ def guided_seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
     """What ``seed_dir`` holds for this seed (``seed_dir_status``): "new", "complete" (this seed's
     finished run at these sizes) or "incomplete" (an interrupted run, run again from the start);
     a ValueError for another run's results or files the demo does not write."""
-    from grouprl.trainer.seed_stats import seed_dir_status
+    from grouprl.domains.demos.seed_stats import seed_dir_status
 
     return seed_dir_status(
         seed_dir, wanted={"seed": seed, "sizes": sizes, "model": GUIDED_MODEL},
@@ -314,7 +310,7 @@ def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool =
     from rich.console import Console
     from rich.table import Table
 
-    from grouprl.trainer.seed_stats import format_difference, format_mean, summarize_seeds
+    from grouprl.domains.demos.seed_stats import format_difference, format_mean, summarize_seeds
 
     console = Console()
     out = Path(out)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from grouprl.trainer.curves import (MIN_CURVE_POINTS, curve_line, moving_average, plot_reward_curves,
-                                    reward_curve_figure)
+from grouprl.domains.demos.curves import (MIN_CURVE_POINTS, curve_line, moving_average, plot_reward_curves,
+                                          reward_curve_figure)
 
 
 def write_metrics(path, rewards):
