@@ -34,7 +34,7 @@ CORE_LAYERS = [
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)
 REGISTRY_LOOKUPS = {"grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier",
-                                               "grouprl.trainer.task_metrics"}}
+                                               "grouprl.trainer.task_metrics", "grouprl.trainer.trackers"}}
 
 
 def module_name(path: Path) -> str:
