@@ -63,6 +63,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"config key 'worker.rollout.{key}' must be in (0, 1]; got {getattr(rollout, key)}")
     _positive("worker.rollout.val_n", rollout.val_n)
     rollout.verifier.check("worker.rollout.verifier")
+    config.trainer.health.check("trainer.health")
     if rollout.verifier.backend != "auto":
         from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)
 

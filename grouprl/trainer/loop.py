@@ -13,9 +13,10 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        on a fresh start drop every step's rows (an earlier attempt killed before its first
        checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
-    4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
+    4. each step: ``step`` -> metrics reduced across processes -> the health alarms judged
+       (``trainer.health``, see ``trainer.health``) -> metrics.jsonl (and the other
        loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
-       -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
+       (the health alarms judge it too) -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
        ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
@@ -52,6 +53,7 @@ from typing import Any
 from grouprl.config import redacted, save_config
 from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
+from grouprl.trainer.health import HealthWatch
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
@@ -180,6 +182,7 @@ class TrainingLoop(abc.ABC):
         self.state = ckpt.TrainerState()
         self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
         self.prefetcher = OneStepOffPrefetcher()  # started only under one_step_off
+        self.health = HealthWatch(t.health, self.run_dir, main=self.is_main)  # its state is saved in checkpoints
         self.last_step: StepResult | None = None  # the last training step's result
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
@@ -289,6 +292,7 @@ class TrainingLoop(abc.ABC):
                                              num_processes=self.accelerator.num_processes)
         self.stream.load_state(self.state.extra["stream"])
         self._consumed_stream = self.stream.state()
+        self.health.load(self.state.extra.get("health"))  # an alarm fired before the checkpoint stays fired
         self.on_resume()
         if path.resolve().parent == self.config.checkpoint_dir.resolve():  # not one of another run's
             self._checkpointed_step = self.state.global_step
@@ -308,6 +312,7 @@ class TrainingLoop(abc.ABC):
 
         self.state.extra["stream"] = dict(self._consumed_stream)
         self.state.extra["config"] = redacted(self.config)  # what a resume compares its config with
+        self.state.extra["health"] = self.health.state()
         model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
@@ -338,6 +343,15 @@ class TrainingLoop(abc.ABC):
                                           resume_step=resume_step),
         )
 
+    def _health(self, values: dict[str, float]) -> dict[str, float]:
+        """The health alarms' metrics, their kind (the same on every process) in metrics_schema.json."""
+        if values:
+            declared = StepMetrics()
+            for key in values:
+                declared.max(key)
+            self.schema_file.record(declared)
+        return values
+
     def _write(self, writer: RolloutWriter, step: int, records: list[dict] | None, limit: int | None = None) -> None:
         if records is not None:
             writer.write(step, self.gather_records(records)[:limit])
@@ -347,7 +361,11 @@ class TrainingLoop(abc.ABC):
         result = self.validate(step)
         if result is None:
             return
-        writers.metrics.log(step, self.reduce_metrics(result.metrics, "val/"), prefix="val/")
+        values = self.reduce_metrics(result.metrics, "val/")
+        writers.metrics.log(step, values, prefix="val/")
+        changed = self._health(self.health.after_validation(step, {f"val/{k}": v for k, v in values.items()}))
+        if changed:  # one more row for this step: the alarm counts from the validation's step
+            writers.metrics.log(step, changed)
         self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
 
     def train(self) -> dict[str, float]:
@@ -380,6 +398,7 @@ class TrainingLoop(abc.ABC):
             print(f"grouprl: nothing left to train: checkpoint {checkpoint} is at step {self.state.global_step} and "
                   f"the run ends at step {self.total_steps} ({ends}); raise it to train on", flush=True)
         writers = self._open_writers(resume_step)
+        self.health.open(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
         unscored = self.unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
@@ -400,6 +419,7 @@ class TrainingLoop(abc.ABC):
                     result = self.step(step)
                 self.last_step = result
                 last = self.reduce_metrics(result.metrics)
+                last.update(self._health(self.health.after_step(step, last)))
                 self.state.global_step = step
                 self.state.epoch = self._consumed_stream["epoch"]
                 self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]
