@@ -225,6 +225,42 @@ def test_a_watched_metric_validation_never_logs_is_said_once(tmp_path, caplog):
     assert len(said) == 1 and "trainer.health.watch" in said[0] and "val/report/finding_f1_micro" in said[0]
 
 
+def test_gaming_with_two_validations_judges_by_their_standard_errors(tmp_path):
+    """The report demo's shape: a validation before training and one at the end, nothing between."""
+    rows = healthy_rows(12)
+    for s, r in enumerate(rows, start=1):
+        r["reward/mean"] = 1.09 + 0.006 * s + random.Random(s).gauss(0, 0.01)
+    validations = {0: {"val/report/finding_f1_micro": 0.175, "val/report/finding_f1_micro_se": 0.03},
+                   12: {"val/report/finding_f1_micro": 0.041, "val/report/finding_f1_micro_se": 0.02}}
+    logged, alarms = run_watch(tmp_path, rows, validations, watch=WATCH, gaming_window=12)
+    assert [(a["alarm"], a["step"], a["metric_steps"]) for a in alarms] == [("reward_gaming", 12, [0, 12])]
+    assert alarms[0]["metric_z"] == pytest.approx(-0.134 / math.sqrt(0.03 ** 2 + 0.02 ** 2))
+    for v in validations.values():  # within its noise: quiet
+        v["val/report/finding_f1_micro_se"] = 0.08
+    assert run_watch(tmp_path / "noisy", rows, validations, watch=WATCH, gaming_window=12)[1] == []
+    for v in validations.values():  # no standard errors, two points: no noise to judge by, quiet
+        del v["val/report/finding_f1_micro_se"]
+    assert run_watch(tmp_path / "bare", rows, validations, watch=WATCH, gaming_window=12)[1] == []
+
+
+def test_blowups_need_their_floor(tmp_path):
+    rows = healthy_rows(30)
+    for s, r in enumerate(rows, start=1):  # KL from tiny values: a 20x jump, but below kl_floor
+        r["actor/kl"] = 1e-5 * (20 if s == 20 else 1)
+    logged, alarms = run_watch(tmp_path, rows)
+    assert alarms == []
+    logged, alarms = run_watch(tmp_path / "low", rows, kl_floor=1e-5)
+    assert [(a["alarm"], a["step"]) for a in alarms] == [("kl_blowup", 20)]
+
+
+def test_entropy_collapse_is_measured_from_the_runs_start(tmp_path):
+    rows = healthy_rows(120)
+    for s, r in enumerate(rows, start=1):  # -3% a step: never sudden, below a tenth of the start by step ~78
+        r["actor/entropy"] = 0.97 ** s
+    logged, alarms = run_watch(tmp_path, rows)
+    assert [a["alarm"] for a in alarms] == ["entropy_collapse"] and 70 < alarms[0]["step"] < 85
+
+
 def test_flow_run_keys_judge_ratio_and_no_spread(tmp_path):
     """The flow trainer logs actor/ratio/mean and no response lengths: its alarms read what it logs."""
     rows = [{"reward/mean": 0.5, "frac_reward_zero_std": 0.2, "actor/ratio/mean": 1.0, "actor/clipfrac": 0.1,
