@@ -294,7 +294,7 @@ class HealthWatch:
     # ------------------------------------------------------------------ history
 
     def _add(self, key: str, step: int, value) -> None:
-        if not isinstance(value, (int, float)):
+        if not _finite(value):  # judged by the nan alarm; the checkpoint's JSON keeps finite numbers only
             return
         points = self.series.setdefault(key, [])
         points.append([step, float(value)])
@@ -305,7 +305,7 @@ class HealthWatch:
             del points[self.config.recent:len(points) - self.config.recent]
 
     def _points(self, key: str, since: int | None = None) -> tuple[list[int], list[float]]:
-        points = [p for p in self.series.get(key, []) if math.isfinite(p[1]) and (since is None or p[0] >= since)]
+        points = [p for p in self.series.get(key, []) if since is None or p[0] >= since]
         return [int(p[0]) for p in points], [p[1] for p in points]
 
     def _tracked(self) -> list[str]:
@@ -372,7 +372,7 @@ class HealthWatch:
                 continue
             self._add(key, step, values[key])
             if key in c.watch:
-                self._add(f"{key}_se", step, values.get(f"{key}_se", math.nan))
+                self._add(f"{key}_se", step, values.get(f"{key}_se"))
         before = self.gaming
         self.gaming = float(self._judge_gaming(step) is not None)
         return {"health/reward_gaming": self.gaming} if self.gaming != before else {}
