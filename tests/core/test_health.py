@@ -369,6 +369,43 @@ def test_an_alarm_after_the_checkpoint_is_cut_back_and_fires_again_once(say_task
     assert [a["step"] for a in read_jsonl(tmp_path / "run" / "alarms.jsonl")] == [3]
 
 
+GAMED = '''
+import random
+
+
+def rising(prompts, completions, trainer_state=None, **kwargs):
+    return [trainer_state.global_step + 0.1 * random.random() for _ in completions]
+
+
+def falling(prompts, completions, trainer_state=None, **kwargs):
+    return [1.0 - 0.2 * trainer_state.global_step for _ in completions]
+'''
+
+
+def test_a_gamed_run_fires_at_its_validation(say_task, tmp_path, read_jsonl):
+    """The reward rises every step while a held-out measure (a second reward, as validation logs it)
+    falls at every validation: reward_gaming fires at the validation that shows both, and counts from it."""
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    rewards = tmp_path / "gamed.py"
+    rewards.write_text(GAMED)
+    task = say_task(2)
+    cfg = task.config(tmp_path / "run", [{"name": f"{rewards}:rising"}, {"name": f"{rewards}:falling", "weight": 0.01}], **{
+        "data.val_files": [str(task.data)], "trainer.max_steps": 4, "trainer.val_freq": 2,
+        "trainer.val_before_train": True, "trainer.health.max_truncation": 1.0,
+        "trainer.health.watch": {f"val/rewards/{rewards}:falling/mean@1": "max"},
+        "worker.actor.global_batch_size": 4, "worker.actor.micro_batch_size_per_device_for_update": 16})
+    GRPOTrainer(config_from_dict(cfg)).train()
+    run = tmp_path / "run"
+    (alarm,) = read_jsonl(run / "alarms.jsonl")
+    # at step 2 the reward has two steps, too few for a spread; at step 4, four rising ones
+    assert (alarm["step"], alarm["alarm"], alarm["metric_steps"]) == (4, "reward_gaming", [0, 2, 4])
+    assert alarm["metric_values"] == pytest.approx([1.0, 0.6, 0.2])
+    rows = read_jsonl(run / "metrics.jsonl")
+    gaming = [(r["step"], r["health/reward_gaming"]) for r in rows if "health/reward_gaming" in r]
+    assert gaming == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (4, 1.0)]  # the validation's row comes last
+
+
 def test_a_healthy_run_stays_quiet(say_task, tmp_path, read_jsonl):
     from grouprl.trainer.grpo import GRPOTrainer
 
