@@ -544,13 +544,15 @@ class HealthConfig:
                 raise ConfigError(f"config key '{key}.{name}' must be >= 1 step; got {getattr(self, name)}")
         if self.window < 2:
             raise ConfigError(f"config key '{key}.window' must be >= 2 steps (a start and an end); got {self.window}")
-        bounded = {"noise_z": (0, math.inf), "length_growth": (1, math.inf), "max_truncation": (0, 1),
-                   "entropy_collapse": (0, 1), "max_zero_std": (0, 1), "ratio_max": (1, math.inf),
-                   "max_clipfrac": (0, 1), "blowup_factor": (1, math.inf)}
+        # (low, high): low < value <= high; the shares (max_*) may be 0: any at all then fires
+        bounded = {"noise_z": (0, math.inf), "length_growth": (1, math.inf), "max_truncation": (-1, 1),
+                   "entropy_collapse": (0, 1), "max_zero_std": (-1, 1), "ratio_max": (1, math.inf),
+                   "max_clipfrac": (-1, 1), "blowup_factor": (1, math.inf)}
         for name, (low, high) in bounded.items():
             value = getattr(self, name)
-            if not (math.isfinite(value) and low < value <= high):
-                bounds = f"> {low} and finite" if high == math.inf else f"in ({low}, {high}]"
+            if not (math.isfinite(value) and low < value <= high and value >= 0):
+                bounds = (f"> {low} and finite" if high == math.inf else
+                          f"in [0, {high}]" if low < 0 else f"in ({low}, {high}]")
                 raise ConfigError(f"config key '{key}.{name}' must be {bounds}; got {value}")
         for name in ("kl_floor", "grad_norm_floor"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):

@@ -307,14 +307,6 @@ def test_bad_values_name_their_key(say_task, tmp_path, key, value):
         config_from_dict(cfg)
 
 
-def test_flow_trainer_zero_std_fraction():
-    from grouprl.domains.diffusion.trainer import zero_std_fraction
-
-    # groups of 3: equal, spread, equal
-    assert zero_std_fraction([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.2, 0.2, 0.2], 3) == pytest.approx(2 / 3)
-    assert zero_std_fraction([], 3) == 0.0
-
-
 # ---------------------------------------------------------------------------- in a run
 
 NOISY = '''
