@@ -13,11 +13,11 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        on a fresh start drop every step's rows (an earlier attempt killed before its first
        checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
-    4. each step: ``step`` -> metrics reduced across processes -> the health alarms judged
-       (``trainer.health``, see ``trainer.health``) -> metrics.jsonl (and the other
+    4. each step: ``step`` -> metrics reduced across processes -> the health alarms judge them
+       (config ``trainer.health``, module ``trainer.health``) -> metrics.jsonl (and the other
        loggers), rollouts.jsonl, completions.jsonl -> validation every ``trainer.val_freq`` steps
-       (the health alarms judge it too) -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
-       ``trainer.max_wall_seconds`` (if set) no further step
+       (judged by the health alarms too) -> a checkpoint every ``trainer.save_freq`` steps; after
+       the step that ends past ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
 On SIGTERM or SIGINT (``trainer.save_on_signal``, see ``trainer.signals``) the step in progress
