@@ -63,6 +63,7 @@ def validate(config: Config) -> None:
 
     check_task_metric_names(config.trainer.val_metrics)
     rollout.verifier.check("worker.rollout.verifier")
+    config.trainer.health.check("trainer.health")
     if rollout.verifier.backend != "auto":
         from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)
 

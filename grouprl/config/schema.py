@@ -504,6 +504,62 @@ class WorkerConfig:
 
 
 @dataclass
+class HealthConfig:
+    """``trainer.health``: the run's health alarms (grouprl.trainer.health; docs/health.md).
+
+    Windows count training steps; a level or a trend is judged only once its window is full.
+    """
+
+    enabled: bool = True  # false: no alarm is judged, no health/ metric logged, no alarms.jsonl
+    # held-out metrics (metrics.jsonl keys, e.g. val/report/finding_f1_micro) -> max | min (which
+    # way is better): reward_gaming fires when the reward rises while one of them gets worse
+    watch: dict[str, str] = field(default_factory=dict)
+    reward_key: str = "reward/mean"  # the reward whose rise reward_gaming compares with them
+    gaming_window: int = 100  # steps (and the validations within them) the two trends are taken over
+    noise_z: float = 2.0  # a trend counts when its change is at least this many standard errors
+    window: int = 20  # steps: the span of length_growth; the history a blow-up is measured against
+    recent: int = 5  # steps averaged by length_growth (at each end), truncation, no_reward_spread, entropy_collapse
+    length_growth: float = 2.0  # mean response length at the window's end / at its start
+    max_truncation: float = 0.2  # share of responses cut at data.max_response_length
+    entropy_collapse: float = 0.1  # recent entropy / the run's first steps' entropy
+    max_zero_std: float = 0.9  # frac_reward_zero_std: share of responses in groups with equal rewards
+    ratio_max: float = 2.0  # the mean importance ratio outside [1/ratio_max, ratio_max]
+    max_clipfrac: float = 0.5  # share of tokens (flow: rows) the clip acted on
+    blowup_factor: float = 10.0  # KL or gradient norm above this many times its recent median
+    kl_floor: float = 0.01  # ... and above this (KL grows from 0 at the start)
+    grad_norm_floor: float = 0.0  # ... and above this
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError naming the offending key under ``key`` (``trainer.health``)."""
+        import math
+
+        for name, value in self.watch.items():
+            if value not in ("max", "min"):
+                raise ConfigError(f"config key '{key}.watch' maps {name!r} to {value!r}; use max (higher is "
+                                  "better) or min")
+        if not self.reward_key:
+            raise ConfigError(f"config key '{key}.reward_key' is empty")
+        for name in ("gaming_window", "window", "recent"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config key '{key}.{name}' must be >= 1 step; got {getattr(self, name)}")
+        if self.window < 2:
+            raise ConfigError(f"config key '{key}.window' must be >= 2 steps (a start and an end); got {self.window}")
+        # (low, high): low < value <= high; the shares (max_*) may be 0: any at all then fires
+        bounded = {"noise_z": (0, math.inf), "length_growth": (1, math.inf), "max_truncation": (-1, 1),
+                   "entropy_collapse": (0, 1), "max_zero_std": (-1, 1), "ratio_max": (1, math.inf),
+                   "max_clipfrac": (-1, 1), "blowup_factor": (1, math.inf)}
+        for name, (low, high) in bounded.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and low < value <= high and value >= 0):
+                bounds = (f"> {low} and finite" if high == math.inf else
+                          f"in [0, {high}]" if low < 0 else f"in ({low}, {high}]")
+                raise ConfigError(f"config key '{key}.{name}' must be {bounds}; got {value}")
+        for name in ("kl_floor", "grad_norm_floor"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"config key '{key}.{name}' must be >= 0 and finite; got {getattr(self, name)}")
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "grouprl"
     experiment_name: str = "run"
@@ -577,6 +633,9 @@ class TrainerConfig:
     # Validate, then stop without training (EasyR1's key): `grouprl train` runs what `grouprl validate`
     # runs, on the checkpoint trainer.resume names (auto: the newest), else on the model.
     val_only: bool = False
+    # health alarms: reward gaming, length growth, truncation, entropy collapse, no reward spread,
+    # ratio / KL / gradient norm blow-ups, NaN (docs/health.md)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass

@@ -13,11 +13,12 @@ log the same way. ``TrainingLoop.train`` runs these stages:
        on a fresh start drop every step's rows (an earlier attempt killed before its first
        checkpoint), so that each step is logged once
     3. validation before training (``trainer.val_before_train``)
-    4. each step: ``step`` -> metrics reduced across processes -> metrics.jsonl (and the other
+    4. each step: ``step`` -> metrics reduced across processes -> the health alarms judge them
+       (config ``trainer.health``, module ``trainer.health``) -> metrics.jsonl (and the other
        loggers), rollouts.jsonl, completions.jsonl, and every ``trainer.log_samples_freq`` steps a
-       samples table for the loggers (validation: at each one) -> validation every ``trainer.val_freq`` steps
-       -> a checkpoint every ``trainer.save_freq`` steps; after the step that ends past
-       ``trainer.max_wall_seconds`` (if set) no further step
+       samples table for the loggers (validation: at each one) -> validation every ``trainer.val_freq``
+       steps (judged by the health alarms too) -> a checkpoint every ``trainer.save_freq`` steps; after
+       the step that ends past ``trainer.max_wall_seconds`` (if set) no further step
     5. a last checkpoint, unless stage 4 just wrote it; the prefetcher and the writers closed
 
 With ``trainer.best_metric``, a validation whose value beats the best so far (``trainer.best.improves``)
@@ -62,6 +63,7 @@ from grouprl.config.checks import check_best
 from grouprl.files import check_writable_dir, write_text_atomic
 from grouprl.trainer import checkpoint as ckpt
 from grouprl.trainer.best import BestRecord, best_path, improves, metric_value
+from grouprl.trainer.health import HealthWatch
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, samples_due
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
 from grouprl.trainer.parallel import full_state_dicts, stage, staged
@@ -192,6 +194,7 @@ class TrainingLoop(abc.ABC):
         self.state = ckpt.TrainerState()
         self.schema_file = SchemaFile(self.run_dir / "metrics_schema.json", enabled=self.is_main)
         self.prefetcher = OneStepOffPrefetcher()  # started only under one_step_off
+        self.health = HealthWatch(t.health, self.run_dir, main=self.is_main)  # its state is saved in checkpoints
         self.last_step: StepResult | None = None  # the last training step's result
         self._consumed_stream = stream.state()  # the data position after the last batch trained on
         self._checkpointed_step: int | None = None  # the step the newest checkpoint on disk holds
@@ -310,6 +313,7 @@ class TrainingLoop(abc.ABC):
                                              num_processes=self.accelerator.num_processes)
         self.stream.load_state(self.state.extra["stream"])
         self._consumed_stream = self.stream.state()
+        self.health.load(self.state.extra.get("health"))  # an alarm fired before the checkpoint stays fired
         self.on_resume()
         if path.resolve().parent == self.config.checkpoint_dir.resolve():  # not one of another run's
             self._checkpointed_step = self.state.global_step
@@ -381,6 +385,7 @@ class TrainingLoop(abc.ABC):
 
         self.state.extra["stream"] = dict(self._consumed_stream)
         self.state.extra["config"] = redacted(self.config)  # what a resume compares its config with
+        self.state.extra["health"] = self.health.state()
         model_state, optimizer_state = full_state_dicts(self.policy, self.optimizer)
         rng_states = gather_object([ckpt.rng_state()]) if self.accelerator.num_processes > 1 else [ckpt.rng_state()]
         path = None
@@ -448,6 +453,15 @@ class TrainingLoop(abc.ABC):
                                           resume_step=resume_step),
         )
 
+    def _health(self, values: dict[str, float]) -> dict[str, float]:
+        """The health alarms' metrics, their kind (the same on every process) in metrics_schema.json."""
+        if values:
+            declared = StepMetrics()
+            for key in values:
+                declared.max(key)
+            self.schema_file.record(declared)
+        return values
+
     def _write(self, writer: RolloutWriter, step: int, records: list[dict] | None,
                limit: int | None = None) -> list[dict] | None:
         """Every process's ``records`` (the first ``limit``) written; returns them (None when there were none)."""
@@ -475,6 +489,9 @@ class TrainingLoop(abc.ABC):
             return
         logged = self.reduce_metrics(result.metrics, "val/")
         writers.metrics.log(step, logged, prefix="val/")
+        changed = self._health(self.health.after_validation(step, {f"val/{k}": v for k, v in logged.items()}))
+        if changed:  # one more row for this step: the alarm counts from the validation's step
+            writers.metrics.log(step, changed)
         rows = self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
         self._log_samples(writers, step, "val", rows, result)
         self._rank_validation(step, {f"val/{k}": v for k, v in logged.items()})
@@ -531,6 +548,7 @@ class TrainingLoop(abc.ABC):
             print(f"grouprl: nothing left to train: checkpoint {checkpoint} is at step {self.state.global_step} and "
                   f"the run ends at step {self.total_steps} ({ends}); raise it to train on", flush=True)
         writers = self._open_writers(resume_step)
+        self.health.open(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
         unscored = self.unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
@@ -553,6 +571,7 @@ class TrainingLoop(abc.ABC):
                     result = self.step(step)
                 self.last_step = result
                 last = self.reduce_metrics(result.metrics)
+                last.update(self._health(self.health.after_step(step, last)))
                 self.state.global_step = step
                 self.state.epoch = self._consumed_stream["epoch"]
                 self.state.batch_in_epoch = self._consumed_stream["batch_in_epoch"]

@@ -28,7 +28,7 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
     "trainer.max_steps", "trainer.max_wall_seconds", "trainer.logger", "trainer.save_freq", "trainer.save_limit",
     "trainer.save_checkpoint_path", "trainer.resume", "trainer.resume_if_config_changed", "trainer.log_rollouts",
     "trainer.log_completions", "trainer.device", "trainer.save_on_signal", "trainer.fail_on_unscored_steps",
-    "trainer.distributed_timeout", "trainer.best_metric", "trainer.best_mode",
+    "trainer.distributed_timeout", "trainer.best_metric", "trainer.best_mode", "trainer.health",
     # memory and speed only: the same update, computed in other pieces or on other processes
     "worker.actor.log_prob_chunk_tokens", "worker.actor.padding_free", "worker.actor.dynamic_batching",
     "worker.actor.strategy", "worker.actor.model.enable_gradient_checkpointing",

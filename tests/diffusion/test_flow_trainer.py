@@ -220,3 +220,32 @@ def test_max_wall_seconds_stops_after_the_step_that_ran_past_it_with_a_checkpoin
     assert [m["step"] for m in read_jsonl(tmp_path / "long" / "metrics.jsonl") if "reward/mean" in m] == [1, 2]
     with pytest.raises(ConfigError, match="trainer.max_wall_seconds"):
         FlowGRPOTrainer(flow_config(tmp_path / "bad", **{"trainer.max_wall_seconds": 0}))
+
+
+def test_zero_std_fraction_counts_images_in_groups_without_spread():
+    from grouprl.domains.diffusion.trainer import zero_std_fraction
+
+    # groups of 3: equal, spread, equal
+    assert zero_std_fraction([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.2, 0.2, 0.2], 3) == pytest.approx(2 / 3)
+    assert zero_std_fraction([], 3) == 0.0
+
+
+def test_a_flow_run_logs_reward_spread_and_its_health(flow_config, tmp_path, read_jsonl):
+    """The health alarms judge flow runs in the shared run loop: frac_reward_zero_std and health/<alarm>."""
+    from grouprl.trainer.health import ALARMS
+
+    from grouprl.domains.diffusion.trainer import zero_std_fraction
+
+    config = flow_config(tmp_path / "run", **{"trainer.max_steps": 2, "trainer.health.recent": 1,
+                                              "trainer.health.max_zero_std": 0.0})
+    FlowGRPOTrainer(config).train()
+    rows = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in m]
+    assert [m["step"] for m in rows] == [1, 2] and all(f"health/{a}" in m for m in rows for a in ALARMS)
+    images = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    for m in rows:  # the images of a prompt are consecutive rows
+        scores = [r["score"] for r in images if r["step"] == m["step"]]
+        assert m["frac_reward_zero_std"] == pytest.approx(zero_std_fraction(scores, config.worker.rollout.n))
+    # max_zero_std 0: any group without spread fires it
+    alarms = [a["alarm"] for a in read_jsonl(tmp_path / "run" / "alarms.jsonl")] \
+        if (tmp_path / "run" / "alarms.jsonl").exists() else []
+    assert ("no_reward_spread" in alarms) == any(m["frac_reward_zero_std"] > 0 for m in rows)

@@ -284,6 +284,7 @@ def validate_flow(config: FlowConfig) -> None:
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.noise_level", rollout.noise_level, allow_zero=True)
     check_task_metric_names(config.trainer.val_metrics)
+    config.trainer.health.check("trainer.health")
     if rollout.n < 2:
         raise ConfigError(f"config key 'worker.rollout.n' must be >= 2 for group-relative advantages; got {rollout.n}")
     if rollout.noise_level == 0 and algo.name != "diffusion_nft":

@@ -176,6 +176,18 @@ class FlowRollout:
     steps: list[int]  # the stored (trained) steps, the same for every image
 
 
+def zero_std_fraction(total: list[float], n: int) -> float:
+    """``frac_reward_zero_std`` of one process's images, as the language trainer logs it: the share of
+    images whose group (the n consecutive images of a prompt) has rewards all equal, std_g = 0,
+    so that they give no learning signal. 0 for no image."""
+    from grouprl.algorithms import reward_std_per_group
+
+    if not total:
+        return 0.0
+    scores = torch.tensor(total, dtype=torch.float32)  # as the language trainer's scores
+    return float((reward_std_per_group(scores, torch.arange(len(total)) // n) == 0).double().mean())
+
+
 def rows_of(trajectories: list[Trajectory], sched: Schedule, advantages: torch.Tensor,
             text: PromptEmbeddings) -> FlowBatch:
     """Flatten the trajectories' stored steps into rows; every step of an image gets the image's advantage."""
@@ -463,6 +475,8 @@ class FlowGRPOTrainer(TrainingLoop):
         metrics.max("timing/update_s", time.perf_counter() - u0)
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
+        metrics.mean("frac_reward_zero_std", zero_std_fraction(rollout.rewards.total, self.config.worker.rollout.n),
+                     len(rollout.prompts))
         metrics.moments("advantages", advantages.tolist())
         metrics.mean("rollout/trained_steps", float(trained_per_image))  # DiffusionNFT: training times per image
         if not self.nft:  # DiffusionNFT's times are drawn per image
