@@ -98,11 +98,25 @@ def _smaller(data: bytes) -> bytes:
     return out.getvalue()
 
 
+# control characters a browser would drop or act on (NUL, CR, ESC ...), shown as \\xNN; tab and newline kept
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f]}
+
+
+def visible_text(text: str) -> str:
+    """``text`` as the page shows it: each control character but tab and newline written as ``\\xNN``,
+    so that a policy's stray NUL or carriage return is seen, not dropped or obeyed by the browser."""
+    return text.translate(_CONTROL)
+
+
 def _clip(text: Any, cap: int) -> str:
-    text = "" if text is None else str(text)
+    """HTML for <pre>: a leading newline that the parser would drop is kept, text past ``cap`` is cut with a note."""
+    text = visible_text("" if text is None else str(text))
+    shown = html.escape(text[:cap])
+    if text.startswith("\n"):  # a newline right after <pre> is eaten by the HTML parser
+        shown = "\n" + shown
     if len(text) <= cap:
-        return html.escape(text)
-    return html.escape(text[:cap]) + f'<span class="missing"> ... ({len(text) - cap} more characters)</span>'
+        return shown
+    return shown + f'<span class="missing"> ... ({len(text) - cap} more characters)</span>'
 
 
 def _number(value: Any) -> str:
