@@ -43,10 +43,16 @@ def vlm_run(image_task, tmp_path_factory):
     return run
 
 
-def test_report_opens_offline_and_shows_completions_images_and_curves(browser, vlm_run, read_jsonl):
+@pytest.fixture(scope="module")
+def opened(browser, vlm_run):
+    """The run's report written and opened in the browser (once for this module's tests): the console errors."""
     page = write_report(vlm_run)
     assert page == vlm_run / "report.html"
-    assert browser.open(page) == []  # no console error
+    return browser.open(page)
+
+
+def test_report_opens_offline_and_shows_completions_images_and_curves(browser, opened, vlm_run, read_jsonl):
+    assert opened == []  # no console error
     # offline: every resource the page loaded is inside the file
     assert browser.run("return performance.getEntriesByType('resource').map(e => e.name)") == []
     # each logged completion, in order, in its step's block (hidden steps included)
@@ -70,9 +76,8 @@ def test_report_opens_offline_and_shows_completions_images_and_curves(browser, v
     assert "Best checkpoint: step 1, val/reward/mean@2 = 0.25" in text
 
 
-def test_report_marks_the_alarm_where_it_fired(browser, vlm_run):
-    page = write_report(vlm_run, vlm_run / "alarm.html")
-    assert browser.open(page) == []
+def test_report_marks_the_alarm_where_it_fired(browser, opened):
+    assert opened == []
     rows = browser.run("return [...document.querySelectorAll('#alarms ~ table tr.alarm')].map(r => r.innerText)")
     assert rows == ["2\treward_gaming\t" + ALARM["message"]]
     # a dotted line on every chart at step 2, labelled with the alarm
@@ -81,8 +86,8 @@ def test_report_marks_the_alarm_where_it_fired(browser, vlm_run):
     assert charts > 1 and labels == ["reward_gaming"] * charts
 
 
-def test_step_selector_shows_the_chosen_step(browser, vlm_run):
-    assert browser.open(write_report(vlm_run, vlm_run / "steps.html")) == []
+def test_step_selector_shows_the_chosen_step(browser, opened):
+    assert opened == []
     visible = "return [...document.querySelectorAll('#rollout-steps > .step')].filter(d => !d.hidden).map(d => d.dataset.step)"
     assert browser.run(visible) == ["2"]  # the last step first
     browser.run("const s = document.querySelector('select[data-target=rollout-steps]');"
