@@ -93,3 +93,28 @@ def test_step_selector_shows_the_chosen_step(browser, opened):
     browser.run("const s = document.querySelector('select[data-target=rollout-steps]');"
                 "s.value = '1'; s.dispatchEvent(new Event('change'));")
     assert browser.run(visible) == ["1"]
+
+
+def test_multiturn_dialogue_is_shown_turn_by_turn(browser, tmp_path):
+    """A Guided-GRPO rollout record (grouprl.rollout.multiturn's fields): each turn in order, the
+    verifier's messages marked as such, the scalar extras beside it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {}\n")
+    dialogue = [{"role": "assistant", "text": "x = 3, so <answer>\\boxed{6}</answer>", "tokens": 12},
+                {"role": "user", "text": "Check 2 * 3 again.\n[SCORE] hallucination_detect=1", "tokens": 9},
+                {"role": "assistant", "text": "<answer>\\boxed{6}</answer>", "tokens": 7}]
+    record = {"step": 1, "id": "q1", "group": 0, "prompt": "What is 2 * 3?", "response": dialogue[-1]["text"],
+              "rewards": {"accuracy": 1.0}, "score": 1.0, "advantage": 0.5, "dialogue": dialogue,
+              "num_turns": 3, "stop_reason": "stop", "verifier_hallucination_score": 1.0,
+              "spans": [[0, 12, "policy"], [12, 21, "between"], [21, 28, "policy"]]}
+    (run / "rollouts.jsonl").write_text(json.dumps(record) + "\n")
+    assert browser.open(write_report(run)) == []
+    turns = browser.run("return [...document.querySelectorAll('.dialogue .turn')]"
+                        ".map(t => [t.className, t.querySelector('pre').textContent])")
+    assert turns == [["turn policy", dialogue[0]["text"]], ["turn verifier", dialogue[1]["text"]],
+                     ["turn policy", dialogue[2]["text"]]]
+    assert browser.run("return document.querySelector('.dialogue summary').textContent") == \
+        "dialogue: 3 turns, stopped: stop"
+    extras = browser.run("return document.querySelector('.extras').textContent")
+    assert "num_turns: 3" in extras and "verifier_hallucination_score: 1" in extras and "spans" not in extras
