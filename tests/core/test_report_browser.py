@@ -118,3 +118,19 @@ def test_multiturn_dialogue_is_shown_turn_by_turn(browser, tmp_path):
         "dialogue: 3 turns, stopped: stop"
     extras = browser.run("return document.querySelector('.extras').textContent")
     assert "num_turns: 3" in extras and "verifier_hallucination_score: 1" in extras and "spans" not in extras
+
+
+def test_screenshot_renders_the_report_to_png(browser, vlm_run, tmp_path, capsys):
+    """``grouprl report --screenshot``: the page as headless Chromium draws it (``browser``: skipped with
+    the browser tests when there is no Chromium)."""
+    from PIL import Image
+
+    from grouprl.cli import main
+
+    png = tmp_path / "shot.png"
+    assert main(["report", str(vlm_run), "--out", str(tmp_path / "r.html"), "--screenshot", str(png)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"screenshot: {png}"
+    with Image.open(png) as image:
+        assert image.size == (1400, 2400)
+        # the page's top is drawn: a white page with dark title text and coloured curves, not one flat colour
+        assert len(image.convert("RGB").getcolors(1 << 20)) > 50
