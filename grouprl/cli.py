@@ -5,12 +5,13 @@
     grouprl sft config.yaml                        # supervised warm start
     grouprl validate config.yaml --checkpoint best  # the configured validation only, to validation.json
     grouprl export runs/x/checkpoints/global_step_10 --out merged/
+    grouprl report runs/x                          # runs/x/report.html: open it in a browser, offline
     grouprl generate --model merged/ --data test.jsonl --out preds.jsonl
     grouprl eval --data preds.jsonl --out eval/ --clean
     grouprl serve rewards --port 5000               # EditGRPO-compatible reward server
     grouprl sample --data vqa.jsonl --predictions preds.jsonl --strategy hard --n 1000 --out hard.jsonl
 
-The core holds `train`, `validate`, `sft`, `export` and `demo`; a domain plugin adds its commands to
+The core holds `train`, `validate`, `sft`, `export`, `report` and `demo`; a domain plugin adds its commands to
 ``COMMANDS`` (the radiology plugin: `generate`, `eval`, `sample`, `serve rewards`) and its
 demos to ``DEMOS`` (chosen by a flag of `grouprl demo`). The parser is built from both
 registries, so building it loads the installed plugins and `grouprl --help` lists them all.
@@ -369,6 +370,57 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+# ----------------------------------------------------------------------------- report
+
+
+def cmd_report(args) -> int:
+    from grouprl.report import RunDirError, watch_report, write_report
+
+    caps = {"rollouts_per_step": args.max_rollouts_per_step, "steps": args.max_steps, "images": args.max_images,
+            "text_chars": args.max_text_chars}
+    if any(v < 1 for v in caps.values()):
+        raise UsageError("the --max-... caps take a number of 1 or more")
+    if args.watch is not None and (args.watch <= 0 or args.screenshot):
+        raise UsageError("--watch takes a number of seconds above 0, and no --screenshot")
+    try:
+        if args.watch is not None:
+            print(f"report: rewritten every {args.watch:g} s until Ctrl-C")
+            try:
+                watch_report(args.run_dir, args.watch, args.out,
+                             on_write=lambda p: print(f"report: {p.resolve()}", flush=True), **caps)
+            except KeyboardInterrupt:  # the way a watch ends; the last report written is whole (atomic)
+                pass
+            return 0
+        path = write_report(args.run_dir, args.out, **caps)
+    except RunDirError as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"report: {path.resolve()}")
+    if args.screenshot:
+        from grouprl.report.screenshot import BrowserNotFound, screenshot
+
+        try:
+            print(f"screenshot: {screenshot(path, args.screenshot)}")
+        except BrowserNotFound as exc:
+            raise UsageError(str(exc)) from exc
+    return 0
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    from grouprl.report import Caps
+
+    p.add_argument("run_dir", help="a run directory (trainer.output_dir)")
+    p.add_argument("--out", help="the HTML file to write (default RUN_DIR/report.html)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="rewrite the report every SECONDS until Ctrl-C")
+    p.add_argument("--max-rollouts-per-step", type=int, default=Caps.rollouts_per_step,
+                   help="completions shown per step (whole prompt groups; default %(default)s)")
+    p.add_argument("--max-steps", type=int, default=Caps.steps,
+                   help="steps of the rollout browser and of the validations, spread over the run (default %(default)s)")
+    p.add_argument("--max-images", type=int, default=Caps.images, help="images embedded (default %(default)s)")
+    p.add_argument("--max-text-chars", type=int, default=Caps.text_chars,
+                   help="characters shown of one prompt or completion (default %(default)s)")
+    p.add_argument("--screenshot", metavar="PNG", help="also render the page to PNG with headless Chromium")
+
+
 # ----------------------------------------------------------------------------- demos
 
 
@@ -558,6 +610,8 @@ COMMANDS.register("validate", Command("run the configured validation on a model 
 COMMANDS.register("sft", Command("supervised warm start on the reference answers", cmd_sft, _sft_arguments))
 COMMANDS.register("export", Command("write a checkpoint as a merged Hugging Face model", cmd_export,
                                     _export_arguments))
+COMMANDS.register("report", Command("write a run's HTML report (curves, rollouts, validation, alarms), offline",
+                                    cmd_report, _report_arguments))
 COMMANDS.register("demo", Command("run a demo on CPU with tiny models, nothing downloaded (grouprl demo --help "
                                   "lists them)", cmd_demo, _demo_arguments))
 

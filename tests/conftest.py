@@ -429,3 +429,58 @@ def demo_process():
                               timeout=900, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     return run
+
+
+# ---------------------------------------------------------------------------- a real browser (run reports)
+
+
+class Browser:
+    """Headless Chromium driven by selenium through Debian's chromedriver: ``open(path)`` loads an HTML
+    file from disk (file://) and returns the console's error entries; ``run(js)`` returns a script's value."""
+
+    def __init__(self, driver):
+        self.driver = driver
+
+    def open(self, path: Path) -> list[dict]:
+        self.driver.get_log("browser")  # what an earlier page left
+        self.driver.get(Path(path).resolve().as_uri())
+        # plotly draws in the load handlers; a script that throws is in the log by now
+        self.driver.execute_async_script("const done = arguments[0]; requestAnimationFrame(() => setTimeout(done, 0));")
+        return [e for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
+
+    def run(self, js: str, *args):
+        return self.driver.execute_script(js, *args)
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """A :class:`Browser` (headless Chromium, no network); the test is skipped when there is no Chromium,
+    except under CI (CI=true), where that fails: .ci/run installs it."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromedriver = shutil.which("chromedriver")
+    if chromium is None or chromedriver is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI needs chromium and chromedriver (.ci/run installs Debian's chromium chromium-driver)")
+        pytest.skip("no chromium / chromedriver on PATH (Debian: apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver") if os.environ.get("CI") != "true" else \
+        importlib.import_module("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    from grouprl.report.screenshot import CHROMIUM_FLAGS
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium_profile')}")
+    options.add_argument("--window-size=1400,1000")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+    driver.set_page_load_timeout(120)
+    driver.set_script_timeout(60)
+    try:
+        yield Browser(driver)
+    finally:
+        driver.quit()

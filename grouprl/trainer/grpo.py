@@ -264,6 +264,10 @@ class RoundScoring:
         return [(b, t, f.result()) for (b, t), f in zip(self._parts, self._scoring)]
 
 
+# the side of the prompt images a run saves for its report (rollout records' "images")
+PROMPT_IMAGE_SIDE = 256
+
+
 def prompt_images(samples, limit: int) -> list[tuple[str, Any]]:
     """The images of the first prompts among ``samples`` (rows of a batch; a group's rows share their
     prompt), at most ``limit``, each captioned with its sample's id: what the loggers show of a VLM
@@ -819,8 +823,31 @@ class GRPOTrainer(TrainingLoop):
                 "edited": bool(batch.edited[i]),
                 **{k: v[i] for k, v in batch.extras.items()},
                 **({"logged": {k: v[i] for k, v in batch.reward_logs.items()}} if batch.reward_logs else {}),
+                **({"images": self._prompt_image_files(sample)} if sample.images else {}),
             })
         return records
+
+    def _prompt_image_files(self, sample) -> list[str]:
+        """The prompt's images as files of the run directory, for the run report (grouprl.report): each
+        saved once, at most PROMPT_IMAGE_SIDE px a side, as ``prompt_images/<hash of the sample id>_<i>.png``;
+        their paths relative to the run directory."""
+        import hashlib
+
+        from grouprl.files import AtomicFile
+
+        digest = hashlib.sha256(str(sample.id).encode()).hexdigest()[:16]
+        names = []
+        for j, image in enumerate(sample.images):
+            name = f"prompt_images/{digest}_{j}.png"
+            path = self.run_dir / name
+            if not path.exists():
+                path.parent.mkdir(exist_ok=True)
+                small = image.convert("RGB")
+                small.thumbnail((PROMPT_IMAGE_SIDE, PROMPT_IMAGE_SIDE))
+                with AtomicFile(path, "wb") as fh:
+                    small.save(fh, format="PNG")
+            names.append(name)
+        return names
 
     def completion_records(self, batch: RolloutBatch) -> list[dict]:
         """CheXPO's completions log: each response's tokens with the sampler's per-token log-probs."""

@@ -30,6 +30,7 @@ CORE_LAYERS = [
     ["grouprl.models"],
     ["grouprl.rollout"],
     ["grouprl.trainer"],
+    ["grouprl.report"],
     ["grouprl.cli", "grouprl.__main__", "grouprl"],
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)

@@ -249,6 +249,10 @@ def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: i
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(f"samples (top: pretrained, bottom: trained): {grid.resolve()}")
     console.print(curve_line(curve, "reward curve", curves))
+    from grouprl.report import write_report
+
+    for label, metrics in curves.items():  # each training run's HTML report (grouprl report)
+        console.print(f"run report ({label}): {write_report(metrics.parent).resolve()}")
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary
 
@@ -297,5 +301,9 @@ def run_flow_compare(out: str | Path | None = None, *, quick: bool = False, seed
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(f"samples (rows: pretrained, Flow-GRPO-Fast, DiffusionNFT): {grid.resolve()}")
     console.print(curve_line(curve, "reward curves", curves))
+    from grouprl.report import write_report
+
+    for label, metrics in curves.items():  # each training run's HTML report (grouprl report)
+        console.print(f"run report ({label}): {write_report(metrics.parent).resolve()}")
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary

@@ -239,6 +239,10 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(curve_line(png, "reward curve", curves))
+    from grouprl.report import write_report
+
+    for label, metrics in curves.items():  # each training run's HTML report (grouprl report)
+        console.print(f"run report ({label}): {write_report(metrics.parent).resolve()}")
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary
 

@@ -508,5 +508,9 @@ def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = Fals
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(curve_line(png, "reward curves", curves))
+    from grouprl.report import write_report
+
+    for label, metrics in curves.items():  # each training run's HTML report (grouprl report)
+        console.print(f"run report ({label}): {write_report(metrics.parent).resolve()}")
     console.print(f"summary: {(out / 'summary.json').resolve()}")
     return summary
