@@ -35,10 +35,10 @@ from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 from grouprl.domains.demos.seed_stats import format_difference, format_mean, seed_dir_status
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
-FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16)
+FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16, val_every=20)
 # --quick: every stage, small enough for about a minute of CPU, big enough that the SFT model writes
 # reports and GRPO moves the numbers (batch 8 gives SFT twice the updates per study)
-QUICK = dict(train=512, val=32, sft_epochs=8, sft_batch=8, grpo_steps=12, n=4, prompts_per_step=8)
+QUICK = dict(train=512, val=32, sft_epochs=8, sft_batch=8, grpo_steps=12, n=4, prompts_per_step=8, val_every=4)
 QUICK_NOTE = (f"--quick is the demo made small ({QUICK['train']} studies, {QUICK['grpo_steps']} GRPO steps, {QUICK['val']} "
               "held-out studies), so its numbers are "
               "noisy. The full run (grouprl demo, about 4 minutes on 2 CPU cores) takes the held-out reward from "
@@ -92,11 +92,19 @@ def demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> tu
         # metric report after the last step, every report kept in val_generations.jsonl
         "trainer": {**trainer, "output_dir": str(out / "grpo"), "experiment_name": "demo-grpo",
                     "max_steps": sizes["grpo_steps"], "save_freq": -1, "save_limit": 1,
-                    "val_freq": sizes["grpo_steps"], "val_metrics": ["report"],
-                    "val_generations_to_log": sizes["val"]},
+                    "val_freq": sizes.get("val_every", sizes["grpo_steps"]), "val_before_train": True, "val_metrics": ["report"],
+                    "val_generations_to_log": sizes["val"],
+                    # reward gaming: the training reward rising while the held-out finding F1 falls
+                    "health": {"watch": {"val/report/finding_f1_micro": "max"}, "gaming_window": sizes["grpo_steps"]}},
     }
     grpo["worker"]["rollout"].update(val_temperature=0.0, val_n=1)
     return sft, grpo
+
+
+def _alarms(run_dir: Path) -> list[dict]:
+    """The alarms.jsonl rows of a run (none when the run raised no alarm)."""
+    path = run_dir / "alarms.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @torch.no_grad()
@@ -236,9 +244,15 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
         "grpo_improved_finding_f1": after["finding_f1_micro"] > before["finding_f1_micro"],
         "wall_seconds": time.perf_counter() - t_start,
         "reward_curve": str(png) if png else None,
+        # the health alarms each GRPO run raised (alarms.jsonl: reward gaming when the reward rose while
+        # the held-out finding F1 fell beyond its noise)
+        "health_alarms": {label: _alarms(metrics.parent) for label, metrics in curves.items()},
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     console.print(curve_line(png, "reward curve", curves))
+    for label, alarms in summary["health_alarms"].items():
+        console.print(f"health alarms ({label}): " + (", ".join(f"{a['alarm']} at step {a['step']}" for a in alarms)
+                                                      or "none"))
     from grouprl.report import write_report
 
     for label, metrics in curves.items():  # each training run's HTML report (grouprl report)
