@@ -66,6 +66,12 @@ def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
     assert [m["step"] for m in validation] == list(range(0, steps + 1, every))
     assert {k: validation[-1][f"val/report/{k}"] for _, k in demo.TABLE_COLUMNS} == \
         {k: again[k] for _, k in demo.TABLE_COLUMNS}
+    # `grouprl validate` on the demo's checkpoint reproduces the held-out table's SFT+GRPO row
+    assert main(["validate", str(out / "grpo" / "config.yaml"), "--checkpoint",
+                 str(out / "grpo" / "checkpoints" / f"global_step_{steps}"), "--out", str(tmp_path / "val")]) == 0
+    validated = json.loads((tmp_path / "val" / "validation.json").read_text())["metrics"]
+    assert {k: validated[f"val/report/{k}"] for _, k in demo.TABLE_COLUMNS} == \
+        {k: summary["sft_grpo"][k] for _, k in demo.TABLE_COLUMNS}
 
     # the training curve comes from GRPO's updates: every step had a learning signal and took a step
     metrics = [m for m in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
