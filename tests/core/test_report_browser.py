@@ -134,3 +134,34 @@ def test_screenshot_renders_the_report_to_png(browser, vlm_run, tmp_path, capsys
         assert image.size == (1400, 2400)
         # the page's top is drawn: a white page with dark title text and coloured curves, not one flat colour
         assert len(image.convert("RGB").getcolors(1 << 20)) > 50
+
+
+GAMED = '''
+def rising(prompts, completions, trainer_state=None, **kwargs):
+    return [trainer_state.global_step + 0.05 * (i % 3) for i, _ in enumerate(completions)]
+
+
+def falling(prompts, completions, trainer_state=None, **kwargs):
+    return [1.0 - 0.2 * trainer_state.global_step for _ in completions]
+'''
+
+
+def test_the_alarm_a_run_raised_is_in_its_report(browser, say_task, tmp_path):
+    """Not files written by hand: a tiny run whose reward rises while a watched held-out measure falls
+    raises reward_gaming itself (trainer.health), and its report shows that alarm, row and marks."""
+    rewards = tmp_path / "gamed.py"
+    rewards.write_text(GAMED)
+    task = say_task(2)
+    run = tmp_path / "run"
+    cfg = task.config(run, [{"name": f"{rewards}:rising"}, {"name": f"{rewards}:falling", "weight": 0.01}], **{
+        "data.val_files": [str(task.data)], "trainer.max_steps": 4, "trainer.val_freq": 2,
+        "trainer.val_before_train": True, "trainer.health.max_truncation": 1.0, "trainer.logger": ["jsonl"],
+        "trainer.health.watch": {f"val/rewards/{rewards}:falling/mean@1": "max"},
+        "worker.actor.global_batch_size": 4, "worker.actor.micro_batch_size_per_device_for_update": 16})
+    GRPOTrainer(config_from_dict(cfg)).train()
+    (alarm,) = [json.loads(line) for line in (run / "alarms.jsonl").read_text().splitlines()]
+    assert browser.open(write_report(run)) == []  # no console error
+    rows = browser.run("return [...document.querySelectorAll('#alarms ~ table tr.alarm')].map(r => r.innerText)")
+    assert rows == [f"{alarm['step']}\treward_gaming\t{alarm['message']}"]
+    labels = browser.run("return [...document.querySelectorAll('.chart .annotation-text')].map(a => a.textContent)")
+    assert labels and set(labels) == {"reward_gaming"}
