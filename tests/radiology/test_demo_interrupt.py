@@ -70,6 +70,8 @@ def test_ctrl_c_in_training_saves_and_the_same_command_resumes(tmp_path, demo_pr
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"the SFT model of the earlier run is reused: {out / 'sft_model'}" in " ".join(resumed.stdout.split())
     assert f"resumed from {out / 'grpo' / 'checkpoints' / 'global_step_2'} at step 2" in resumed.stdout
-    steps = [json.loads(line)["step"] for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]  # each step once: 1 and 2 from the stopped run, 3 after resuming
+    rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]  # each step once: 1 and 2 from the
+    # stopped run, 3 after resuming; the validations before training and at the last step, once each
+    assert [r["step"] for r in rows if "val/reward/mean" in r] == [0, 3]
     assert json.loads((out / "summary.json").read_text())["sizes"] == TINY
