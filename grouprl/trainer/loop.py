@@ -489,12 +489,13 @@ class TrainingLoop(abc.ABC):
             return
         logged = self.reduce_metrics(result.metrics, "val/")
         writers.metrics.log(step, logged, prefix="val/")
-        changed = self._health(self.health.after_validation(step, {f"val/{k}": v for k, v in logged.items()}))
+        named = {f"val/{k}": v for k, v in logged.items()}  # as metrics.jsonl names them
+        changed = self._health(self.health.after_validation(step, named))
         if changed:  # one more row for this step: the alarm counts from the validation's step
             writers.metrics.log(step, changed)
         rows = self._write(writers.val_generations, step, result.records, self.config.trainer.val_generations_to_log)
         self._log_samples(writers, step, "val", rows, result)
-        self._rank_validation(step, {f"val/{k}": v for k, v in logged.items()})
+        self._rank_validation(step, named)
 
     def validate_only(self, checkpoint: Path | None = None) -> tuple[int, dict[str, float], list[dict]]:
         """The configured validation, once, on the model or on ``checkpoint``'s weights (and a flow run's
