@@ -18,13 +18,20 @@ Group ids may be an integer tensor, a list or numpy array of ints, or strings (v
 ``dense_group_index`` turns any of them into dense long group numbers.
 
 Plug in a new one with ``register_advantage_estimator``, ``register_policy_loss``,
-``register_loss_agg_mode`` or ``register_kl_estimator``.
+``register_loss_agg_mode`` or ``register_kl_estimator``. An estimator or loss is registered with
+its options class (``grouprl.algorithms.options``): the config validates the options a run gives
+it by those names (``algorithm.adv_estimator_options`` / ``policy_loss_options``) and the trainer
+passes them through.
 """
 
 from grouprl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATOR_INPUTS,
+    ADVANTAGE_ESTIMATOR_OPTIONS,
     ADVANTAGE_ESTIMATORS,
     GROUP_RELATIVE_ESTIMATORS,
+    advantage_estimator_options_class,
     compute_advantages,
+    estimator_inputs,
     dense_group_index,
     group_statistics,
     masked_whiten,
@@ -39,10 +46,13 @@ from grouprl.algorithms.filtering import (
     reward_std_per_group,
 )
 from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from grouprl.algorithms.options import NoOptions
 from grouprl.algorithms.policy_losses import (
+    POLICY_LOSS_OPTIONS,
     POLICY_LOSSES,
     PolicyLossTerms,
     compute_policy_loss,
+    policy_loss_options_class,
     register_policy_loss,
 )
 from grouprl.algorithms.rollout_correction import (
@@ -54,6 +64,13 @@ from grouprl.algorithms.rollout_correction import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_ESTIMATOR_INPUTS",
+    "ADVANTAGE_ESTIMATOR_OPTIONS",
+    "NoOptions",
+    "POLICY_LOSS_OPTIONS",
+    "advantage_estimator_options_class",
+    "estimator_inputs",
+    "policy_loss_options_class",
     "GROUP_RELATIVE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",

@@ -23,12 +23,14 @@ gave a visible advantage to a group with no reward spread at all.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from grouprl.algorithms.options import NoOptions, check_options_class, options_from_signature, split_options
 from grouprl.registry import Registry
 
 AdvantageEstimator = Callable[..., Tensor]
@@ -41,20 +43,86 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 GROUP_RELATIVE_ESTIMATORS: set[str] = set()
 
 
+# name -> the estimator's options class (``grouprl.algorithms.options``)
+ADVANTAGE_ESTIMATOR_OPTIONS: dict[str, type] = {}
+# What an estimator may take besides its options, computed by the trainer at run time (never set
+# by a user): the response mask, per-token rewards (KL in the reward), ReMax's greedy baseline
+# scores, and the std of the whole batch across processes.
+ADVANTAGE_ESTIMATOR_INPUTS = ("scores", "group_index", "response_mask", "token_rewards", "baseline_scores",
+                              "batch_std")
+
+
 def register_advantage_estimator(
-    name: str, *, overwrite: bool = False, group_relative: bool = False
+    name: str, *, options: type | None = None, overwrite: bool = False, group_relative: bool = False
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator adding ``fn(scores, group_index, *, **options) -> Tensor`` to ``ADVANTAGE_ESTIMATORS``.
+    """Decorator adding ``fn(scores, group_index, *, <inputs>, <options>) -> Tensor`` to ``ADVANTAGE_ESTIMATORS``.
 
     Declare a keyword parameter ``response_mask`` to receive the [B, R] mask and return
-    per-token advantages; otherwise return one advantage per row ([B]). ``group_relative``:
-    the estimator needs at least two responses per prompt (``GROUP_RELATIVE_ESTIMATORS``).
+    per-token advantages; otherwise return one advantage per row ([B]). The other run-time
+    inputs an estimator may declare are in ``ADVANTAGE_ESTIMATOR_INPUTS``. ``options``: a
+    dataclass of the options it takes (each a keyword parameter of ``fn``, with its default);
+    None makes one from its keyword-only parameters with defaults that are not inputs.
+    ``group_relative``: the estimator needs at least two responses per prompt
+    (``GROUP_RELATIVE_ESTIMATORS``).
     """
-    if group_relative:
-        GROUP_RELATIVE_ESTIMATORS.add(name)
-    else:
-        GROUP_RELATIVE_ESTIMATORS.discard(name)
-    return ADVANTAGE_ESTIMATORS.register(name, overwrite=overwrite)
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        cls = options if options is not None else options_from_signature(fn, inputs=ADVANTAGE_ESTIMATOR_INPUTS,
+                                                                         name=name)
+        check_options_class("advantage estimator", name, fn, cls)
+        ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
+        ADVANTAGE_ESTIMATOR_OPTIONS[name] = cls
+        if group_relative:
+            GROUP_RELATIVE_ESTIMATORS.add(name)
+        else:
+            GROUP_RELATIVE_ESTIMATORS.discard(name)
+        return fn
+
+    return decorator
+
+
+def advantage_estimator_options_class(name: str) -> type:
+    """The options class registered with estimator ``name``; ValueError naming the valid estimators."""
+    if ADVANTAGE_ESTIMATORS.get(name, None) is None:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+    return ADVANTAGE_ESTIMATOR_OPTIONS[name]
+
+
+def estimator_inputs(name: str) -> set[str]:
+    """The run-time inputs (``ADVANTAGE_ESTIMATOR_INPUTS``) that estimator ``name`` declares as parameters."""
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters
+    return {p for p in ADVANTAGE_ESTIMATOR_INPUTS if p in params}
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """What GRPO divides (R - group mean) by: ``group`` (its group's std), ``batch`` (the whole
+    batch's std, TRL's scale_rewards batch), ``none`` (Dr. GRPO); eps keeps the division finite."""
+
+    std_level: str = "group"
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class PassKOptions:
+    """Pass@k GRPO: whether the best response's margin is divided by its group's std."""
+
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class ReinforcePlusPlusOptions:
+    """REINFORCE++: the discount of the token returns, and the whitening's eps."""
+
+    gamma: float = 1.0
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class WhitenOptions:
+    """The eps of a batch whitening."""
+
+    eps: float = 1e-6
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +269,7 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
 STD_LEVELS = ("group", "batch", "none")
 
 
-@register_advantage_estimator("grpo", group_relative=True)
+@register_advantage_estimator("grpo", options=GRPOOptions, group_relative=True)
 def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = True, std_level: str | None = None,
                     batch_std: float | None = None, eps: float = 1e-6) -> Tensor:
     """GRPO: A_i = (R_i - mean_g) / (s + eps), the scale s chosen by ``std_level``.
@@ -234,7 +302,7 @@ def grpo_advantages(scores: Tensor, group_index: Any, *, norm_by_std: bool = Tru
     return centred.to(dtype)
 
 
-@register_advantage_estimator("rloo", group_relative=True)
+@register_advantage_estimator("rloo", options=NoOptions, group_relative=True)
 def rloo_advantages(scores: Tensor, group_index: Any) -> Tensor:
     """RLOO: A_i = R_i - sum_{j in g, j != i} R_j / (n_g - 1) = n_g / (n_g - 1) * (R_i - mean_g).
 
@@ -246,7 +314,7 @@ def rloo_advantages(scores: Tensor, group_index: Any) -> Tensor:
     return (scale * (x - mean)).to(dtype)
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", options=NoOptions)
 def remax_advantages(scores: Tensor, group_index: Any, *, baseline_scores: Tensor) -> Tensor:
     """ReMax: A_i = R_i - b_i, b_i = reward of the greedy response to row i's prompt (``baseline_scores`` [B]).
 
@@ -257,7 +325,7 @@ def remax_advantages(scores: Tensor, group_index: Any, *, baseline_scores: Tenso
     return (scores.to(torch.float64) - baseline_scores.to(torch.float64)).to(_result_dtype(scores))
 
 
-@register_advantage_estimator("grpo_passk", group_relative=True)
+@register_advantage_estimator("grpo_passk", options=PassKOptions, group_relative=True)
 def grpo_passk_advantages(
     scores: Tensor, group_index: Any, *, norm_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
@@ -291,7 +359,7 @@ def grpo_passk_advantages(
 # ---------------------------------------------------------------------------
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_advantage_estimator("reinforce_plus_plus", options=ReinforcePlusPlusOptions)
 def reinforce_plus_plus_advantages(
     scores: Tensor,
     group_index: Any,
@@ -345,7 +413,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, valid, eps).to(_result_dtype(scores))
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline", group_relative=True)
+@register_advantage_estimator("reinforce_plus_plus_baseline", options=WhitenOptions, group_relative=True)
 def reinforce_plus_plus_baseline_advantages(
     scores: Tensor, group_index: Any, *, response_mask: Tensor, eps: float = 1e-6
 ) -> Tensor:

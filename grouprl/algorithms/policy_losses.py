@@ -4,12 +4,12 @@ Notation (all [B, R]): log_prob = log pi_theta(y_t), old_log_prob = log pi_old(y
 policy that sampled), A = advantages, m = response mask, sg = stop-gradient,
 d = clamp(log_prob - old_log_prob, -20, 20) (the clamp keeps exp finite), r = exp(d).
 
-Every loss is a pure function registered by name in ``POLICY_LOSSES``:
-``fn(log_prob, old_log_prob, advantages, response_mask, *, <options>) -> PolicyLossTerms``.
-It receives those of ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_dual`` that it
-declares, plus its own options; ``compute_policy_loss`` aggregates the per-token loss and
-computes the metrics. A clip option declared with default None may be None (that bound is
-off, e.g. CISPO's lower cap); one declared without a default must be a number.
+Every loss is a pure function registered by name in ``POLICY_LOSSES`` with its options class
+(``grouprl.algorithms.options``): ``fn(log_prob, old_log_prob, advantages, response_mask, *,
+<options>) -> PolicyLossTerms``. ``compute_policy_loss`` checks the options given against the
+loss's class by name, fills the rest from its defaults, aggregates the per-token loss and
+computes the metrics. An option may be None (e.g. that clip bound is off, CISPO's lower cap)
+only where its default is None.
 
 Masked positions (padding, template tokens of multi-turn responses) may hold nan or inf
 log-probs or advantages. ``compute_policy_loss`` replaces them by 0 before calling the loss
@@ -20,7 +20,6 @@ masked position back into nan (0 * exp(nan)).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,11 +27,16 @@ import torch
 from torch import Tensor
 
 from grouprl.algorithms.aggregation import aggregate_loss
+from grouprl.algorithms.options import (
+    check_options_class,
+    option_defaults,
+    options_from_signature,
+    split_options,
+)
 from grouprl.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_len")
-CLIP_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_dual")
 
 
 @dataclass
@@ -54,11 +58,68 @@ class PolicyLossTerms:
 PolicyLoss = Callable[..., PolicyLossTerms]
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", error=ValueError)
+# name -> the loss's options class (``grouprl.algorithms.options``)
+POLICY_LOSS_OPTIONS: dict[str, type] = {}
+# what a loss receives besides its options: computed by the trainer, never set by a user
+POLICY_LOSS_INPUTS = ("log_prob", "old_log_prob", "advantages", "response_mask")
 
 
-def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator adding ``fn(log_prob, old_log_prob, advantages, response_mask, *, ...) -> PolicyLossTerms``."""
-    return POLICY_LOSSES.register(name, overwrite=overwrite)
+def register_policy_loss(name: str, *, options: type | None = None,
+                         overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator adding ``fn(log_prob, old_log_prob, advantages, response_mask, *, <options>) -> PolicyLossTerms``.
+
+    ``options``: a dataclass of the options the loss takes (each a keyword parameter of ``fn``,
+    with its default); None makes one from ``fn``'s keyword-only parameters with defaults.
+    """
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        cls = options if options is not None else options_from_signature(fn, inputs=POLICY_LOSS_INPUTS, name=name)
+        check_options_class("policy loss", name, fn, cls)
+        POLICY_LOSSES.register(name, fn, overwrite=overwrite)
+        POLICY_LOSS_OPTIONS[name] = cls
+        return fn
+
+    return decorator
+
+
+def policy_loss_options_class(name: str) -> type:
+    """The options class registered with policy loss ``name``; ValueError naming the valid losses."""
+    if POLICY_LOSSES.get(name, None) is None:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {', '.join(POLICY_LOSSES.names())}")
+    return POLICY_LOSS_OPTIONS[name]
+
+
+@dataclass(frozen=True)
+class PPOClipOptions:
+    """PPO's clip range [1 - clip_ratio_low, 1 + clip_ratio_high] on the token ratio (asymmetric: DAPO's
+    clip-higher), and the dual clip c > 1 bounding the loss of negative-advantage tokens (None: off)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.3
+    clip_ratio_dual: float | None = None
+
+
+@dataclass(frozen=True)
+class GSPOOptions:
+    """GSPO's clip range on the sequence ratio; the paper's 3e-4 / 4e-4."""
+
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+
+
+@dataclass(frozen=True)
+class CISPOOptions:
+    """CISPO's cap on its detached importance weight, [1 - low, 1 + high]; low None = no lower cap."""
+
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float = 4.0
+
+
+@dataclass(frozen=True)
+class SAPOOptions:
+    """SAPO's gate temperatures for positive and negative advantages."""
+
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
 
 def clamped_log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
@@ -80,15 +141,15 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_ratio_low: float,
     return loss, clipped_low, clipped_high
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", options=PPOClipOptions)
 def vanilla_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.3,
     clip_ratio_dual: float | None = None,
 ) -> PolicyLossTerms:
     """PPO clip with asymmetric range (DAPO clip-higher) and optional dual clip.
@@ -124,15 +185,15 @@ def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, response_mask: Te
     return (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", options=GSPOOptions)
 def gspo_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
 ) -> PolicyLossTerms:
     """GSPO, sequence form: one importance ratio per response, clipped as a whole.
 
@@ -149,15 +210,15 @@ def gspo_policy_loss(
     return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high)
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", options=GSPOOptions)
 def gspo_token_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
 ) -> PolicyLossTerms:
     """GSPO-token: log s_{i,t} = sg(log s_i) + log_prob_t - sg(log_prob_t).
 
@@ -171,7 +232,7 @@ def gspo_token_policy_loss(
     return PolicyLossTerms(loss, ratio.detach(), clipped_low, clipped_high)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", options=CISPOOptions)
 def cispo_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -179,7 +240,7 @@ def cispo_policy_loss(
     response_mask: Tensor,
     *,
     clip_ratio_low: float | None = None,
-    clip_ratio_high: float,
+    clip_ratio_high: float = 4.0,
 ) -> PolicyLossTerms:
     """CISPO: l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log_prob.
 
@@ -197,7 +258,7 @@ def cispo_policy_loss(
     return PolicyLossTerms(loss, ratio, clipped_low, ratio > 1 + clip_ratio_high)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", options=SAPOOptions)
 def sapo_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -231,24 +292,24 @@ def _masked_mean(values: Tensor, mask: Tensor) -> float:
     return float(selected.sum() / mask.sum().clamp(min=1))
 
 
-def _check_clip_options(name: str, declared, clip: dict[str, float | None]) -> dict[str, float | None]:
-    """The clip options the loss declares; ValueError for a None the loss cannot take.
+def _resolve_options(name: str, options: dict) -> dict:
+    """The loss's options: those given, checked against its options class by name, the rest its defaults.
 
-    A loss accepts None for a clip option exactly when it declares that option with default
-    None (the bound is then off); one declared without a default needs a number.
+    TypeError naming the loss for an option it does not take; ValueError for a None where the
+    option's default is not None (a bound the loss needs), naming the losses that take None there.
     """
-    kwargs = {k: v for k, v in clip.items() if k in declared}
-    for key, value in kwargs.items():
-        if value is None and declared[key].default is not None:
-            optional = sorted(
-                other for other, fn in POLICY_LOSSES.items()
-                if getattr(inspect.signature(fn).parameters.get(key), "default", inspect.Parameter.empty) is None
-            )
+    cls = policy_loss_options_class(name)
+    given = split_options("policy loss", name, cls, options)
+    defaults = option_defaults(cls)
+    for key, value in given.items():
+        if value is None and defaults[key] is not None:
+            optional = sorted(other for other, other_cls in POLICY_LOSS_OPTIONS.items()
+                              if option_defaults(other_cls).get(key, 0) is None)
             raise ValueError(
                 f"policy loss {name!r} needs a number for {key}, got None; None (no such bound) is accepted only by: "
                 + (", ".join(optional) or "none")
             )
-    return kwargs
+    return {**defaults, **given}
 
 
 def compute_policy_loss(
@@ -258,9 +319,6 @@ def compute_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_ratio_low: float | None,
-    clip_ratio_high: float | None,
-    clip_ratio_dual: float | None = None,
     loss_agg_mode: str = "token-mean",
     token_weights: Tensor | None = None,
     **options,
@@ -269,12 +327,12 @@ def compute_policy_loss(
 
     ``options`` holds the aggregation options ``num_tokens`` / ``num_seqs`` / ``norm_len`` (pass
     the mini-batch totals when accumulating gradients over micro-batches, see
-    ``aggregation``) and the loss's own options (e.g. ``sapo_tau_pos``); an option neither
-    takes raises TypeError. The clip ratios are passed only to losses that declare them
-    (``clip_ratio_dual`` is used by ``vanilla`` alone; ``sapo`` has no clip). A clip ratio
-    may be None (no such bound) only for a loss that declares it with default None:
-    ``clip_ratio_low=None`` works for ``cispo`` and raises ValueError naming the loss for
-    ``vanilla``, ``gspo`` and ``gspo_token``.
+    ``aggregation``) and the loss's own options, checked by name against the options class
+    registered with it (``POLICY_LOSS_OPTIONS[name]``: the clip range for ``vanilla``, ``gspo``,
+    ``cispo``, the temperatures for ``sapo``); options not given take the class's defaults, and
+    one the loss does not take raises TypeError naming the loss and its options. An option may
+    be None only where its default is None: ``clip_ratio_low=None`` works for ``cispo`` (no
+    lower cap) and raises ValueError naming the loss for ``vanilla``, ``gspo`` and ``gspo_token``.
 
     log_prob, old_log_prob and advantages are replaced by 0 where the mask is 0 before the
     loss sees them, so nan or inf there (padding, template tokens) leave the loss, its
@@ -303,23 +361,14 @@ def compute_policy_loss(
         )
     if token_weights is not None and token_weights.shape != log_prob.shape:
         raise ValueError(f"token_weights must have shape {tuple(log_prob.shape)}; got {tuple(token_weights.shape)}")
-    declared = inspect.signature(fn).parameters
     agg_options = {k: options.pop(k) for k in AGGREGATION_OPTIONS if k in options}
-    own = sorted(
-        p for p, spec in declared.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY and p not in CLIP_OPTIONS
-    )
-    unknown = sorted(k for k in options if k not in own)
-    if unknown:
-        valid = ", ".join(own + list(AGGREGATION_OPTIONS))
-        raise TypeError(f"policy loss {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {valid}")
-    clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_dual": clip_ratio_dual}
-    kwargs = _check_clip_options(name, declared, clip)
+    kwargs = _resolve_options(name, options)
     # Sanitise the inputs, not just the output: a select on the loss still lets nan into the
     # gradient through the ops that produced it (exp's backward: 0 * exp(nan) = nan).
     log_prob = _select_valid(log_prob, response_mask)
     old_log_prob = _select_valid(old_log_prob, response_mask)
     advantages = _select_valid(advantages, response_mask)
-    terms = fn(log_prob, old_log_prob, advantages, response_mask, **kwargs, **options)
+    terms = fn(log_prob, old_log_prob, advantages, response_mask, **kwargs)
 
     per_token = terms.loss
     if token_weights is not None:

@@ -43,6 +43,9 @@ def validate(config: Config) -> None:
     if algo.adv_std_level == "batch" and algo.adv_estimator != "grpo":
         raise ConfigError(f"config key 'algorithm.adv_std_level': batch is for adv_estimator grpo; "
                           f"got {algo.adv_estimator!r}")
+    from grouprl.config.algorithm_options import check_algorithm_options
+
+    check_algorithm_options(config)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
     if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:

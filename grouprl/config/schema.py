@@ -89,6 +89,12 @@ class AlgorithmConfig:
     adv_std_level: str | None = field(default=None, metadata=choices("group", "batch", "none"))
     norm_adv_by_std_in_grpo: bool = True
     policy_loss: str = "vanilla"
+    # Options of the chosen estimator and loss, by the names their registered options classes
+    # declare (grouprl.algorithms: GRPOOptions, PPOClipOptions, ...), e.g. {std_level: batch} or
+    # {clip_ratio_high: 0.28}; they override the older keys that set the same option
+    # (adv_std_level, gamma, worker.actor.clip_ratio_*, worker.actor.gspo, ...).
+    adv_estimator_options: dict[str, Any] = field(default_factory=dict)
+    policy_loss_options: dict[str, Any] = field(default_factory=dict)
     loss_agg_mode: str = "token-mean"
     gamma: float = 1.0
     # KL to the reference policy. kl_coef > 0 turns it on; use_kl_loss chooses a loss

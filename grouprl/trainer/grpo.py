@@ -27,6 +27,7 @@ import torch
 
 from grouprl import algorithms
 from grouprl.config import ActorConfig, Config, ConfigError
+from grouprl.config.algorithm_options import resolve_options
 from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
@@ -102,30 +103,16 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
     return columns
 
 
-def policy_loss_options(name: str, actor: ActorConfig) -> dict:
-    """Each policy loss's own clip range (and SAPO's temperatures) from the actor config."""
-    if name in ("gspo", "gspo_token"):
-        return {"clip_ratio_low": actor.gspo.clip_ratio_low, "clip_ratio_high": actor.gspo.clip_ratio_high}
-    if name == "cispo":
-        return {"clip_ratio_low": actor.cispo.clip_ratio_low, "clip_ratio_high": actor.cispo.clip_ratio_high}
-    if name == "sapo":
-        # no clip: the gate's temperatures take its place (the PPO range is passed and unused)
-        return {"clip_ratio_low": actor.clip_ratio_low, "clip_ratio_high": actor.clip_ratio_high,
-                "sapo_tau_pos": actor.sapo.tau_pos, "sapo_tau_neg": actor.sapo.tau_neg}
-    return {"clip_ratio_low": actor.clip_ratio_low, "clip_ratio_high": actor.clip_ratio_high,
-            "clip_ratio_dual": actor.clip_ratio_dual}
-
-
 def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
-              algorithm, actor: ActorConfig):
+              algorithm, actor: ActorConfig, loss_options: dict):
     """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
-    ``algorithm`` and ``worker.actor`` config sections bound): the policy loss, plus the
-    KL term when it is a loss. Reports ``pg_loss`` and ``kl_loss``; records clip
-    fractions, ratio, entropy and KL as token-weighted means."""
+    ``algorithm`` and ``worker.actor`` config sections and the policy loss's resolved options
+    bound): the policy loss, plus the KL term when it is a loss. Reports ``pg_loss`` and
+    ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted means."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
     pg_loss, pg_metrics = algorithms.compute_policy_loss(
         algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
-        token_weights=mb.token_weights, **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
+        token_weights=mb.token_weights, **loss_options, **norms.as_options())
     tokens = float(mb.loss_mask.sum())
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
@@ -317,6 +304,9 @@ class GRPOTrainer(TrainingLoop):
                               shuffle=config.data.shuffle, rank=accelerator.process_index,
                               world_size=accelerator.num_processes)
         super().__init__(config, accelerator=accelerator, stream=stream)
+        # the chosen estimator's and loss's options, as their registered options classes declare them
+        self.estimator_options = resolve_options(config, "adv_estimator")
+        self.loss_options = resolve_options(config, "policy_loss")
         self.uses_lora = actor.model.lora.rank > 0
         self.ref_model = None
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
@@ -467,7 +457,7 @@ class GRPOTrainer(TrainingLoop):
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
-        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor, loss_options=self.loss_options)
         sleeping = self.engine.supports_sleep and not self.prefetcher.running
         if sleeping:
             self.engine.sleep()
@@ -762,22 +752,19 @@ class GRPOTrainer(TrainingLoop):
     # ------------------------------------------------------------------ advantages, metrics, records
 
     def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards) -> torch.Tensor:
-        algo = self.config.algorithm
-        name = algo.adv_estimator
-        options: dict = {"response_mask": batch.loss_mask}
-        if name == "grpo":
-            options["std_level"] = algo.std_level
-            if algo.std_level == "batch":
-                options["batch_std"] = self._batch_std(scores)
-        elif name == "grpo_passk":
-            options["norm_by_std"] = algo.std_level != "none"
-        if name == "reinforce_plus_plus":
-            options["gamma"] = algo.gamma
+        """The estimator's advantages: its resolved options, and the run-time inputs it declares
+        (``algorithms.ADVANTAGE_ESTIMATOR_INPUTS``), each computed only when declared."""
+        name = self.config.algorithm.adv_estimator
+        inputs = algorithms.estimator_inputs(name)
+        options: dict = {**self.estimator_options, "response_mask": batch.loss_mask}
+        if "token_rewards" in inputs:
             if token_rewards is not None:
                 options["token_rewards"] = token_rewards
         elif token_rewards is not None:
             scores = scores + token_rewards.sum(-1)  # outcome estimators see the sequence's KL-adjusted return
-        if name == "remax":
+        if "batch_std" in inputs:  # every process's rows, whatever the options make of it: a collective
+            options["batch_std"] = self._batch_std(scores)
+        if "baseline_scores" in inputs:
             options["baseline_scores"] = self._greedy_baseline(batch)
         return algorithms.compute_advantages(name, scores, batch.group_index, **options)
 

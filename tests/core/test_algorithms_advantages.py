@@ -236,11 +236,13 @@ def test_trainer_passes_the_configured_std_level():
     from types import SimpleNamespace
 
     from grouprl.config import load_config
+    from grouprl.config.algorithm_options import resolve_options
     from grouprl.trainer.grpo import GRPOTrainer
 
     def advantages(*overrides):
-        trainer = SimpleNamespace(config=load_config(None, list(overrides)),
-                                  accelerator=SimpleNamespace(num_processes=1))
+        config = load_config(None, list(overrides))
+        trainer = SimpleNamespace(config=config, accelerator=SimpleNamespace(num_processes=1),
+                                  estimator_options=resolve_options(config, "adv_estimator"))
         trainer._batch_std = GRPOTrainer._batch_std.__get__(trainer)
         batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS)
         return GRPOTrainer._advantages(trainer, SCORES, batch, None)[:, 0]
@@ -249,6 +251,11 @@ def test_trainer_passes_the_configured_std_level():
           compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))
     close(advantages("algorithm.norm_adv_by_std_in_grpo=false"), [1 / 3, -2 / 3, -1.0, 1 / 3, 1.0, 0.0])
     close(advantages(), compute_advantages("grpo", SCORES, GROUPS))
+    # the estimator's own options key, over the older one
+    close(advantages("algorithm.adv_estimator_options={std_level: batch}"),
+          compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))
+    close(advantages("algorithm.adv_std_level=batch", "algorithm.adv_estimator_options={std_level: none}"),
+          [1 / 3, -2 / 3, -1.0, 1 / 3, 1.0, 0.0])
 
 
 def _batch_std_on_rank(rank, port, shards, out):

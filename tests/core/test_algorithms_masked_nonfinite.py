@@ -43,6 +43,8 @@ def _spoil(tensor, value):
 
 
 def _clip_options(name):
+    if name == "sapo":  # a gate, no clip: its options are its temperatures
+        return {}
     options = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
     if name == "vanilla":
         options["clip_ratio_dual"] = 3.0

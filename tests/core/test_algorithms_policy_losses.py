@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grouprl.algorithms import POLICY_LOSSES, PolicyLossTerms, compute_policy_loss, register_policy_loss
+from grouprl.algorithms import POLICY_LOSS_OPTIONS, POLICY_LOSSES, PolicyLossTerms, compute_policy_loss, register_policy_loss
 
 LN = math.log
 
@@ -185,7 +185,7 @@ def test_cispo():
 def test_sapo():
     log_prob, old = make_log_probs([[1.0, 2.0]], [[-1.0, -2.0]])
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
-    loss, metrics = compute_policy_loss("sapo", log_prob, old, adv, torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics = compute_policy_loss("sapo", log_prob, old, adv, torch.ones(1, 2))
     # Token 0: A > 0, tau 1, r = 1: -1 * 4 * sigmoid(0) = -2.
     # Token 1: A < 0, tau 1.05, r = 2: (4 / 1.05) * sigmoid(1.05), sigmoid(1.05) = 0.7407748991...
     sig = 0.740774899182154
@@ -200,7 +200,7 @@ def test_sapo_taus_are_options():
     log_prob, old = make_log_probs([[1.0, 1.0]], [[-1.0, -2.0]])
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     loss, _ = compute_policy_loss(
-        "sapo", log_prob, old, adv, torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2, sapo_tau_pos=2.0, sapo_tau_neg=4.0
+        "sapo", log_prob, old, adv, torch.ones(1, 2), sapo_tau_pos=2.0, sapo_tau_neg=4.0
     )
     # -1 * (4 / 2) * 0.5 = -1 and +1 * (4 / 4) * 0.5 = 0.5.
     close(loss, (-1.0 + 0.5) / 2)
@@ -223,7 +223,7 @@ def test_unknown_policy_loss_and_option():
     for name in ("vanilla", "gspo", "gspo_token", "cispo", "sapo"):
         assert name in str(info.value)
     with pytest.raises(TypeError, match="sapo_tau_pos"):
-        compute_policy_loss("vanilla", log_prob, old, ones, ones, clip_ratio_low=0.2, clip_ratio_high=0.2, sapo_tau_pos=1.0)
+        compute_policy_loss("vanilla", log_prob, old, ones, ones, sapo_tau_pos=1.0)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         compute_policy_loss("vanilla", log_prob, old, ones, ones, clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="mean")
 
@@ -243,12 +243,47 @@ def test_register_custom_policy_loss():
     try:
         log_prob, old = make_log_probs([[1.0, 1.0]], [[-1.0, -3.0]])
         adv = torch.tensor([[2.0, 1.0]], dtype=torch.float64)
-        # Clip ratios are not declared by the loss, so they are not passed to it.
-        loss, metrics = compute_policy_loss("test_pg", log_prob, old, adv, torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_dual=3.0)
+        loss, metrics = compute_policy_loss("test_pg", log_prob, old, adv, torch.ones(1, 2))
         close(loss, (2.0 + 3.0) / 2)
         assert metrics["clipfrac"] == 0.0
+        # it declares no options: a clip range given to it is refused, naming it
+        with pytest.raises(TypeError, match="'test_pg' takes no option 'clip_ratio_low'.*takes no options"):
+            compute_policy_loss("test_pg", log_prob, old, adv, torch.ones(1, 2), clip_ratio_low=0.2)
     finally:
         del POLICY_LOSSES["test_pg"]
+        POLICY_LOSS_OPTIONS.pop("test_pg", None)
+
+
+def test_a_new_loss_is_one_function_and_one_registration_with_its_options():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class ScaledOptions:
+        scale: float = 2.0
+
+    @register_policy_loss("test_scaled", options=ScaledOptions)
+    def scaled_pg(log_prob, old_log_prob, advantages, response_mask, *, scale=2.0):
+        never = torch.zeros_like(log_prob, dtype=torch.bool)
+        return PolicyLossTerms(-scale * advantages * log_prob, torch.ones_like(log_prob), never, never)
+
+    try:
+        assert POLICY_LOSS_OPTIONS["test_scaled"] is ScaledOptions
+        log_prob, old = make_log_probs([[1.0, 1.0]], [[-1.0, -3.0]])
+        adv = torch.tensor([[2.0, 1.0]], dtype=torch.float64)
+        close(compute_policy_loss("test_scaled", log_prob, old, adv, torch.ones(1, 2))[0], 2 * (2.0 + 3.0) / 2)
+        close(compute_policy_loss("test_scaled", log_prob, old, adv, torch.ones(1, 2), scale=1.0)[0], (2.0 + 3.0) / 2)
+        with pytest.raises(TypeError, match="'test_scaled' takes no option 'scal'.*did you mean 'scale'"):
+            compute_policy_loss("test_scaled", log_prob, old, adv, torch.ones(1, 2), scal=1.0)
+        # an options class with a field the function does not take is refused when registered
+        @dataclass(frozen=True)
+        class Wrong:
+            temperature: float = 1.0
+
+        with pytest.raises(TypeError, match="test_wrong.*temperature"):
+            register_policy_loss("test_wrong", options=Wrong)(scaled_pg)
+    finally:
+        del POLICY_LOSSES["test_scaled"]
+        POLICY_LOSS_OPTIONS.pop("test_scaled", None)
 
 
 def test_cispo_without_lower_cap():
@@ -273,8 +308,29 @@ def test_clip_ratio_low_none_is_rejected_by_losses_that_need_it(name):
         compute_policy_loss(name, log_prob, old, ones, ones, clip_ratio_low=None, clip_ratio_high=0.2)
 
 
-def test_clip_ratio_none_is_fine_for_losses_without_clip():
+def test_an_option_the_loss_does_not_take_names_the_option_and_the_loss():
     log_prob, old = make_log_probs([[1.0]], [[-1.0]])
     ones = torch.ones(1, 1)
-    loss, _ = compute_policy_loss("sapo", log_prob, old, ones, ones, clip_ratio_low=None, clip_ratio_high=None)
+    # sapo has no clip: a clip range given to it is a mistake, not silently dropped
+    with pytest.raises(TypeError, match="policy loss 'sapo' takes no option 'clip_ratio_low'.*sapo_tau_pos"):
+        compute_policy_loss("sapo", log_prob, old, ones, ones, clip_ratio_low=None, clip_ratio_high=None)
+    loss, _ = compute_policy_loss("sapo", log_prob, old, ones, ones)
     close(loss, -2.0)
+
+
+def test_options_not_given_take_the_options_class_defaults():
+    from grouprl.algorithms import POLICY_LOSS_OPTIONS, POLICY_LOSSES
+    from grouprl.algorithms.options import option_defaults
+
+    log_prob, old = make_log_probs([[1.3, 0.8], [0.9, 1.1]], [[-1.0, -0.4], [-0.2, -0.5]])
+    adv = torch.tensor([[1.0, -2.0], [-0.5, 0.7]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    for name in POLICY_LOSSES.names():
+        defaults = option_defaults(POLICY_LOSS_OPTIONS[name])
+        implicit, _ = compute_policy_loss(name, log_prob, old, adv, mask)
+        explicit, _ = compute_policy_loss(name, log_prob, old, adv, mask, **defaults)
+        close(implicit, explicit)
+        # the function's own defaults are the class's: a direct call behaves as the registered loss
+        import inspect
+        params = inspect.signature(POLICY_LOSSES.get(name)).parameters
+        assert {k: params[k].default for k in defaults} == defaults, name

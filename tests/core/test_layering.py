@@ -34,7 +34,8 @@ CORE_LAYERS = [
     ["grouprl.cli", "grouprl.__main__", "grouprl"],
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)
-REGISTRY_LOOKUPS = {"grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier",
+REGISTRY_LOOKUPS = {"grouprl.config.algorithm_options": {"grouprl.algorithms"},
+                    "grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier",
                                                "grouprl.trainer.task_metrics", "grouprl.trainer.trackers"}}
 
 

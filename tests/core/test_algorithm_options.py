@@ -1,0 +1,95 @@
+"""Algorithm options owned by the algorithms: each estimator and loss declares its options class, the config
+validates ``algorithm.adv_estimator_options`` / ``policy_loss_options`` by those names, and the older keys
+(EasyR1's clip ratios, worker.actor.gspo, adv_std_level, gamma) still set the same options."""
+
+from __future__ import annotations
+
+import pytest
+
+from grouprl.config import ConfigError, load_config
+from grouprl.config.algorithm_options import OPTION_KEYS, resolve_options
+
+
+def options(family, *overrides):
+    return resolve_options(load_config(None, list(overrides)), family)
+
+
+def test_defaults_are_the_older_keys_defaults():
+    assert options("policy_loss") == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0}
+    assert options("adv_estimator") == {"std_level": "group", "eps": 1e-6}
+    assert options("policy_loss", "algorithm.policy_loss=gspo") == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert options("policy_loss", "algorithm.policy_loss=sapo") == {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}
+    assert options("adv_estimator", "algorithm.adv_estimator=rloo") == {}
+
+
+def test_older_keys_set_the_algorithms_options():
+    assert options("policy_loss", "worker.actor.clip_ratio_high=0.28")["clip_ratio_high"] == 0.28
+    assert options("policy_loss", "algorithm.policy_loss=gspo", "worker.actor.gspo.clip_ratio_high=5e-4") == \
+        {"clip_ratio_low": 3e-4, "clip_ratio_high": 5e-4}
+    assert options("policy_loss", "algorithm.policy_loss=sapo", "worker.actor.sapo.tau_neg=2.0")["sapo_tau_neg"] == 2.0
+    assert options("adv_estimator", "algorithm.norm_adv_by_std_in_grpo=false")["std_level"] == "none"
+    assert options("adv_estimator", "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.9") == \
+        {"gamma": 0.9, "eps": 1e-6}
+    assert options("adv_estimator", "algorithm.adv_estimator=grpo_passk", "algorithm.adv_std_level=none") == \
+        {"norm_by_std": False, "eps": 1e-6}
+
+
+def test_the_options_mapping_overrides_the_older_keys():
+    got = options("policy_loss", "worker.actor.clip_ratio_high=0.28", "algorithm.policy_loss_options={clip_ratio_high: 0.4}")
+    assert got["clip_ratio_high"] == 0.4
+    assert options("adv_estimator", "algorithm.adv_estimator_options={std_level: batch, eps: 1e-4}") == \
+        {"std_level": "batch", "eps": 1e-4}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.policy_loss=sapo", "algorithm.policy_loss_options={clip_ratio_low: 0.1}"],
+     "config key 'algorithm.policy_loss_options.clip_ratio_low': policy loss 'sapo' takes no option 'clip_ratio_low' "
+     "(its options are sapo_tau_pos, sapo_tau_neg)"),
+    (["algorithm.policy_loss_options={clip_ratio_hgh: 0.1}"], "did you mean 'clip_ratio_high'"),
+    (["algorithm.adv_estimator=rloo", "algorithm.adv_estimator_options={eps: 0.1}"],
+     "advantage estimator 'rloo' takes no option 'eps' (it takes no options)"),
+    (["algorithm.policy_loss_options={clip_ratio_high: high}"],
+     "config key 'algorithm.policy_loss_options.clip_ratio_high' expects a number"),
+    (["algorithm.adv_estimator_options={std_level: global}"], "std_level' accepts one of group, batch, none"),
+    (["algorithm.policy_loss_options={clip_ratio_low: null}"],
+     "config key 'algorithm.policy_loss_options.clip_ratio_low' expects a number, got None"),
+])
+def test_bad_options_name_the_option_and_the_algorithm(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_every_older_key_names_an_option_of_its_algorithm():
+    from grouprl import algorithms
+    from grouprl.algorithms.options import option_names
+
+    for (family, name), keys in OPTION_KEYS.items():
+        cls = (algorithms.policy_loss_options_class if family == "policy_loss"
+               else algorithms.advantage_estimator_options_class)(name)
+        assert set(keys) <= set(option_names(cls)), (family, name)
+
+
+def test_a_plugin_loss_takes_its_options_from_the_config(monkeypatch):
+    from dataclasses import dataclass
+
+    import torch
+
+    from grouprl.algorithms import POLICY_LOSS_OPTIONS, POLICY_LOSSES, PolicyLossTerms, register_policy_loss
+
+    @dataclass(frozen=True)
+    class Options:
+        scale: float = 1.0
+
+    @register_policy_loss("test_plugin_loss", options=Options)
+    def loss(log_prob, old_log_prob, advantages, response_mask, *, scale=1.0):
+        never = torch.zeros_like(log_prob, dtype=torch.bool)
+        return PolicyLossTerms(-scale * advantages * log_prob, torch.ones_like(log_prob), never, never)
+
+    try:
+        got = options("policy_loss", "algorithm.policy_loss=test_plugin_loss",
+                      "algorithm.policy_loss_options={scale: 3}")
+        assert got == {"scale": 3.0}
+    finally:
+        del POLICY_LOSSES["test_plugin_loss"]
+        POLICY_LOSS_OPTIONS.pop("test_plugin_loss", None)
