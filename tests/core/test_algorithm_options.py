@@ -93,3 +93,28 @@ def test_a_plugin_loss_takes_its_options_from_the_config(monkeypatch):
     finally:
         del POLICY_LOSSES["test_plugin_loss"]
         POLICY_LOSS_OPTIONS.pop("test_plugin_loss", None)
+
+
+def test_the_documented_new_loss_runs_as_written():
+    """docs/training.md's example of a new loss: executed as written, then used by name with its option."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from grouprl.algorithms import POLICY_LOSS_OPTIONS, POLICY_LOSSES, compute_policy_loss
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = text[text.index("## Algorithm options"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    try:
+        exec(compile(code, "docs/training.md", "exec"), {})
+        log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        adv = torch.tensor([[1.0, -1.0]])
+        loss, _ = compute_policy_loss("scaled_pg", log_prob, log_prob.detach(), adv, torch.ones(1, 2), scale=2.0)
+        assert torch.allclose(loss, torch.tensor(-2.0 * (-1.0 + 2.0) / 2))
+        got = options("policy_loss", "algorithm.policy_loss=scaled_pg", "algorithm.policy_loss_options={scale: 2.0}")
+        assert got == {"scale": 2.0}
+    finally:
+        POLICY_LOSSES.pop("scaled_pg", None)
+        POLICY_LOSS_OPTIONS.pop("scaled_pg", None)
