@@ -236,21 +236,24 @@ def test_lora_with_trainable_modules_is_refused(text_setup, tmp_path):
 
 
 def test_each_policy_loss_gets_its_own_clip_range_from_the_config(text_setup, tmp_path):
-    from grouprl.trainer.grpo import policy_loss_options
+    from grouprl.config.algorithm_options import resolve_options
+
+    def policy_loss_options(name, cfg):
+        cfg.algorithm.policy_loss = name
+        return resolve_options(cfg, "policy_loss")
 
     cfg = config_from_dict(text_config(text_setup, tmp_path, **{
         "worker.actor.gspo": {"clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4},
         "worker.actor.cispo": {"clip_ratio_low": None, "clip_ratio_high": 4.0},
         "worker.actor.sapo": {"tau_pos": 0.5, "tau_neg": 2.0}}))
-    actor = cfg.worker.actor
-    assert policy_loss_options("vanilla", actor) == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0}
-    assert policy_loss_options("gspo", actor) == policy_loss_options("gspo_token", actor) == {
+    assert policy_loss_options("vanilla", cfg) == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0}
+    assert policy_loss_options("gspo", cfg) == policy_loss_options("gspo_token", cfg) == {
         "clip_ratio_low": 1e-4, "clip_ratio_high": 2e-4}
-    assert policy_loss_options("cispo", actor) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
-    sapo = policy_loss_options("sapo", actor)
-    assert sapo["sapo_tau_pos"] == 0.5 and sapo["sapo_tau_neg"] == 2.0
+    assert policy_loss_options("cispo", cfg) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
+    sapo = policy_loss_options("sapo", cfg)
+    assert sapo == {"sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0}  # no clip range: sapo takes none
     # the defaults are each paper's: GSPO 3e-4 / 4e-4, CISPO capped above only (at ratio 5)
-    defaults = config_from_dict(text_config(text_setup, tmp_path)).worker.actor
+    defaults = config_from_dict(text_config(text_setup, tmp_path))
     assert policy_loss_options("gspo", defaults) == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
     assert policy_loss_options("cispo", defaults) == {"clip_ratio_low": None, "clip_ratio_high": 4.0}
 

@@ -17,11 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.algorithms.advantages import (
-    compute_advantages,
-    dense_group_index,
-    group_statistics,
-)
+from grouprl.algorithms.advantages import compute_advantages, dense_group_index
 from grouprl.algorithms.policy_losses import vanilla_policy_loss
 
 
@@ -182,21 +178,22 @@ def group_advantages(
     global_std: bool = True,
     clip: float | None = 5.0,
     eps: float = 1e-4,
+    batch_std: float | None = None,
 ) -> Tensor:
     """Flow-GRPO advantages, float32 [B], the same at every denoising step of a sample.
 
     A_i = clip((R_i - mean_g) / (std + eps), -clip, clip), mean_g = mean of row i's group, and
-      - ``global_std=True`` (Flow-GRPO's default): std = standard deviation of the whole batch;
+      - ``global_std=True`` (Flow-GRPO's default): std = standard deviation of the whole batch
+        (``batch_std`` when the batch spans other processes' rows too, else that of ``rewards``);
       - ``global_std=False``: std = std_g, that of row i's group.
     Groups: an int g (consecutive groups of g rows) or any group ids ``dense_group_index``
     accepts, prompt strings included. ``clip=None`` turns clipping off.
 
-    The per-group form is grouprl's ``grpo`` estimator (it already has per-group mean and std);
-    only the global-std form is computed here, since no estimator divides a group-centred
-    reward by the batch's std. Both use the unbiased std (n - 1), as ``grpo`` does; Flow-GRPO's
-    numpy code uses the population std (n), so its advantages are larger by sqrt(n / (n - 1))
-    (3% for a group of 16 with ``global_std=False``, negligible over a batch). A group of one
-    sample, or of equal rewards, gets A = 0. Statistics in float64, as in ``grouprl.algorithms``.
+    Both forms are grouprl's ``grpo`` estimator, at ``std_level`` batch or group. Both use the
+    unbiased std (n - 1), as ``grpo`` does; Flow-GRPO's numpy code uses the population std (n),
+    so its advantages are larger by sqrt(n / (n - 1)) (3% for a group of 16 with
+    ``global_std=False``, negligible over a batch). A group of one sample, or of equal rewards,
+    gets A = 0. Statistics in float64, as in ``grouprl.algorithms``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape [B]; got {tuple(rewards.shape)}")
@@ -205,11 +202,9 @@ def group_advantages(
     rewards64 = rewards.to(torch.float64)
     groups = _group_index(group_ids_or_group_size, rewards.shape[0], rewards.device)
     if global_std:
-        group_mean, _, _ = group_statistics(rewards64, groups)
-        batch_std = rewards64.std() if rewards64.numel() > 1 else rewards64.new_zeros(())
-        advantages = (rewards64 - group_mean) / (batch_std + eps)
+        advantages = compute_advantages("grpo", rewards64, groups, std_level="batch", batch_std=batch_std, eps=eps)
     else:
-        advantages = compute_advantages("grpo", rewards64, groups, eps=eps)
+        advantages = compute_advantages("grpo", rewards64, groups, std_level="group", eps=eps)
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     return advantages.to(torch.float32)
