@@ -277,7 +277,10 @@ def test_grpo_passk_follows_norm_adv_by_std(text_setup, tmp_path, norm):
                                                                  "algorithm.norm_adv_by_std_in_grpo": norm}))
     scores = torch.tensor([1.0, 0.0, 0.5, 0.2])
     batch = SimpleNamespace(loss_mask=torch.ones(4, 3), group_index=torch.zeros(4, dtype=torch.long))
-    got = Trainer._advantages(SimpleNamespace(config=cfg), scores, batch, None)
+    from grouprl.config.algorithm_options import resolve_options
+
+    trainer = SimpleNamespace(config=cfg, estimator_options=resolve_options(cfg, "adv_estimator"))
+    got = Trainer._advantages(trainer, scores, batch, None)
     want = algorithms.compute_advantages("grpo_passk", scores, batch.group_index, norm_by_std=norm,
                                          response_mask=batch.loss_mask)
     torch.testing.assert_close(got, want)
