@@ -47,7 +47,8 @@ def validate(config: Config) -> None:
     _positive("worker.rollout.n", rollout.n)
     _check_distillation(config)
     # pure distillation (a teacher, no reward) has no group to compare with: one response per prompt will do
-    if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS and has_reward(config):
+    pure_distillation = algo.distilling and not has_reward(config)
+    if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS and not pure_distillation:
         raise ConfigError(f"config key 'worker.rollout.n' is {rollout.n}, but algorithm.adv_estimator "
                           f"'{algo.adv_estimator}' compares each response with the others of its group: with one "
                           "response per prompt every advantage is 0 and nothing trains; set n >= 2")
