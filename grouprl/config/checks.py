@@ -48,7 +48,10 @@ def validate(config: Config) -> None:
     check_algorithm_options(config)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
-    if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:
+    _check_distillation(config)
+    # pure distillation (a teacher, no reward) has no group to compare with: one response per prompt will do
+    pure_distillation = algo.distilling and not has_reward(config)
+    if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS and not pure_distillation:
         raise ConfigError(f"config key 'worker.rollout.n' is {rollout.n}, but algorithm.adv_estimator "
                           f"'{algo.adv_estimator}' compares each response with the others of its group: with one "
                           "response per prompt every advantage is 0 and nothing trains; set n >= 2")
@@ -118,6 +121,38 @@ def validate(config: Config) -> None:
     if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
     _check_loggers(config)
+
+
+def has_reward(config: Config) -> bool:
+    """Whether the run has a reward: in-process functions, EasyR1's reward_function or a reward server."""
+    r = config.worker.reward
+    return bool(r.functions or r.reward_function or r.reward_server)
+
+
+def _check_distillation(config: Config) -> None:
+    """``algorithm.teacher`` and ``algorithm.distill_coef``; without a reward (pure distillation) the
+    options that read rewards are refused, as they would act on no score."""
+    algo = config.algorithm
+    if not algo.distilling:
+        if algo.distill_coef is not None:
+            raise ConfigError(f"config key 'algorithm.distill_coef' ({algo.distill_coef}) weighs the teacher's "
+                              "advantage, and no teacher is set: set 'algorithm.teacher.model_path'")
+        return
+    if not algo.teacher.model_path:
+        raise ConfigError("config key 'algorithm.teacher.model_path' is empty; give the teacher's model directory")
+    if algo.distill_coef is not None:
+        _positive("algorithm.distill_coef", algo.distill_coef, allow_zero=True)
+    if has_reward(config):
+        return
+    if algo.distill_coef == 0:
+        raise ConfigError("config key 'algorithm.distill_coef' is 0 and the run has no reward "
+                          "('worker.reward.functions'): nothing would train; give a coefficient > 0 or a reward")
+    for key, on in (("algorithm.online_filtering", algo.online_filtering),
+                    ("algorithm.overlong_buffer.enable", algo.overlong_buffer.enable),
+                    ("algorithm.filter_key", algo.mean_filter is not None)):
+        if on:
+            raise ConfigError(f"config key '{key}' acts on rewards, and this run has none (pure distillation from "
+                              "'algorithm.teacher'); set a reward in 'worker.reward.functions' or turn it off")
 
 
 def _check_loggers(config: Config) -> None:

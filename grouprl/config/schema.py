@@ -81,6 +81,21 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (``algorithm.teacher``): any model the Auto classes load, text or
+    vision-language, that shares the student's tokenizer; frozen, never trained.
+
+    ``dtype``: auto = the run's frozen dtype (bf16 where the run computes in bf16). ``offload``: kept
+    on the CPU between its forwards (moved to the accelerator for each).
+    """
+
+    model_path: str | None = None  # None: no teacher, no distillation
+    dtype: str = field(default="auto", metadata=choices("auto", "float32", "bfloat16"))
+    offload: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     # What GRPO divides (R - group mean) by: group (the group's reward std, GRPO), batch (the std of
@@ -119,6 +134,16 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # On-policy distillation: A = A_rewards + distill_coef * (log pi_teacher - log pi_student_old) per
+    # token (grouprl.algorithms.distillation); with no reward configured, pure distillation. None: 1
+    # with a teacher (a value without algorithm.teacher.model_path is refused).
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill_coef: float | None = None
+
+    @property
+    def distilling(self) -> bool:
+        """Whether a teacher is set (``algorithm.teacher.model_path``)."""
+        return self.teacher.model_path is not None
 
     @property
     def mean_filter(self) -> tuple[str, float, float] | None:

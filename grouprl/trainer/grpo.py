@@ -42,7 +42,8 @@ from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 from grouprl.trainer.val_metrics import group_rows, record_val_metrics
 
 
-def build_rewards(config: Config):
+def build_rewards(config: Config, *, optional: bool = False):
+    """The run's RewardSet; with none configured, None when ``optional`` (pure distillation), else a ConfigError."""
     from grouprl.rewards import RewardComponent, RewardLoadError, RewardSet, RewardSpec
 
     r = config.worker.reward
@@ -66,7 +67,7 @@ def build_rewards(config: Config):
         components = list(rewards.components) if rewards is not None else []
         components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
         rewards = RewardSet(components, timeout=r.timeout)
-    if rewards is None:
+    if rewards is None and not optional:
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
                           "or 'worker.reward.reward_server'")
     return rewards
@@ -292,8 +293,10 @@ class GRPOTrainer(TrainingLoop):
             train_dataset, loaded_val = load_datasets(config.data)
             val_dataset = val_dataset if val_dataset is not None else loaded_val
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
-        self.rewards = reward_set if reward_set is not None else build_rewards(config)
-        self.reward_thresholds = reward_thresholds(config, self.rewards.keys)
+        # None: no reward, the teacher alone trains (pure distillation)
+        self.rewards = reward_set if reward_set is not None else build_rewards(
+            config, optional=config.algorithm.distilling)
+        self.reward_thresholds = reward_thresholds(config, self.rewards.keys if self.rewards is not None else [])
         self.rollout_transforms = list(rollout_transforms or [])
 
         trained = setup_policy(actor, t)
@@ -312,6 +315,12 @@ class GRPOTrainer(TrainingLoop):
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
             # with LoRA the reference is the policy with adapters off: no second copy
             self.ref_model = self._frozen_copy(config.worker.ref.model_path or actor.model.model_path)
+        self.teacher = None
+        if config.algorithm.distilling:
+            from grouprl.trainer.teacher import Teacher
+
+            self.teacher = Teacher.load(config.algorithm.teacher, student_processor=self.processor,
+                                        frozen_dtype=self.precision.frozen_dtype, device=self.accelerator.device)
 
         self.optimizer = build_optimizer(self.model, actor)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
@@ -438,12 +447,16 @@ class GRPOTrainer(TrainingLoop):
         on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
         t_log_probs = time.perf_counter()
         mark("log-probs")
-        if not on_policy or kl_in_reward or self.correct_rollout:
+        # distillation's advantage needs the sampling student's log-probs before the update
+        if not on_policy or kl_in_reward or self.correct_rollout or self.teacher is not None:
             batch.old_log_probs = self._log_probs(self.model, batch)
         if self.correct_rollout:
             self._correct_rollout(batch, metrics)
         if kl_on:
             batch.ref_log_probs = self._reference_log_probs(batch)
+        if self.teacher is not None:
+            with self.teacher.on_device() as teacher:
+                teacher_log_probs = self._log_probs(teacher, batch)
         metrics.max("timing/log_probs_s", time.perf_counter() - t_log_probs)
 
         # 3. advantages, from the scores less the KL penalty when it is in the reward
@@ -453,7 +466,13 @@ class GRPOTrainer(TrainingLoop):
                                        response_mask=batch.loss_mask)
             token_rewards = -algo.kl_coef * kl
             metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
-        batch.advantages = self._advantages(batch.scores, batch, token_rewards)
+        batch.advantages = self._advantages(batch.scores, batch, token_rewards) if self.rewards is not None else None
+        if self.teacher is not None:
+            from grouprl.trainer.teacher import distillation_advantages
+
+            coef = 1.0 if algo.distill_coef is None else algo.distill_coef
+            batch.advantages = distillation_advantages(batch.advantages, teacher_log_probs, batch.old_log_probs,
+                                                       batch.loss_mask, coef, metrics)
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
@@ -613,6 +632,11 @@ class GRPOTrainer(TrainingLoop):
     def _score(self, batch: RolloutBatch):
         """Rewards, overlong shaping and truncation masking, in place; returns the RewardResult."""
         algo = self.config.algorithm
+        if self.rewards is None:  # pure distillation: no score; the teacher gives the advantages
+            batch.scores = torch.zeros(len(batch))
+            if algo.mask_truncated_completions:
+                batch.loss_mask = algorithms.mask_truncated(batch.loss_mask, batch.truncated)
+            return None
         result = self._reward_scores(batch, allow_unscored=True)
         batch.reward_components = dict(result.components)
         for key, parts in result.parts.items():  # an EasyR1 reward's format, accuracy, ...: recorded, not summed
@@ -639,10 +663,11 @@ class GRPOTrainer(TrainingLoop):
                         metrics: StepMetrics) -> None:
         """What the policy produced, before any filtering; ``transformed`` pairs each transform with its metrics."""
         rows = len(batch)
-        record_rewards(metrics, result, self.rewards.keys)
-        metrics.sum("reward/unscored_rows", float(sum(t is None for t in result.total)))
-        zero_std = algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0
-        metrics.mean("frac_reward_zero_std", float(zero_std.float().mean()) if rows else 0.0, rows)
+        if result is not None:  # None: no reward (pure distillation), so no reward metrics
+            record_rewards(metrics, result, self.rewards.keys)
+            metrics.sum("reward/unscored_rows", float(sum(t is None for t in result.total)))
+            zero_std = algorithms.reward_std_per_group(batch.scores, batch.group_index) == 0
+            metrics.mean("frac_reward_zero_std", float(zero_std.float().mean()) if rows else 0.0, rows)
         for transform, transform_metrics in transformed:
             kinds = getattr(transform, "metric_kinds", {})
             for key, value in transform_metrics.items():
@@ -650,7 +675,7 @@ class GRPOTrainer(TrainingLoop):
                     metrics.sum(key, value)
                 else:
                     metrics.mean(key, value, rows)
-        if transformed:
+        if transformed and result is not None:
             for name, mask in (("edited", batch.edited), ("unedited", ~batch.edited)):
                 count = int(mask.sum())
                 metrics.mean(f"edits/reward_{name}_mean", float(batch.scores[mask].mean()) if count else 0.0, count)
@@ -889,19 +914,30 @@ class GRPOTrainer(TrainingLoop):
             else:
                 batch = self.engine.generate(samples, params)
             mark("reward")
-            result = self._reward_scores(batch, allow_unscored=True)
+            # no reward (pure distillation): the task metrics (trainer.val_metrics) are the validation
+            result = self._reward_scores(batch, allow_unscored=True) if self.rewards is not None else None
             results.append(result)
             # a prompt's val_n responses all come from this call, on this process: its per-prompt metrics are whole
             prompt_of_row.extend(start + int(g) for g in batch.group_index)
             row_sources.extend(_data_source(s) for s in batch.samples)
             records.extend({"id": s.id, "response": r, "reference": s.answer, "score": sc}
-                           for s, r, sc in zip(batch.samples, batch.responses, result.total))
+                           for s, r, sc in zip(batch.samples, batch.responses,
+                                               result.total if result is not None else [None] * len(batch)))
             if not images:
                 images = prompt_images(batch.samples, self.config.trainer.log_samples_rows)
             if self.config.trainer.val_metrics:  # the task metrics' rows, gathered below
                 generations.extend({"completion": r, "reference": s.answer, "prompt": s.prompt_text(),
                                     "prompt_index": indices[start + int(g)], "columns": dict(s.columns)}
                                    for s, r, g in zip(batch.samples, batch.responses, batch.group_index))
+        if self.rewards is not None:
+            self._record_val_rewards(metrics, results, prompt_of_row, row_sources, params.n)
+        mark("task_metrics")
+        validation_task_metrics(metrics, self.config.trainer.val_metrics, generations, self.accelerator)
+        return StepResult(metrics, records=records, images=images)
+
+    def _record_val_rewards(self, metrics: StepMetrics, results: list, prompt_of_row: list[int],
+                            row_sources: list, n: int) -> None:
+        """Validation's reward metrics, per response and per prompt (mean@k, best@k, pass@k ...), per data source too."""
         joined = join_results(results, self.rewards.keys, self.rewards.weights)
         record_rewards(metrics, joined, self.rewards.keys)
         groups = group_rows(prompt_of_row)
@@ -911,8 +947,5 @@ class GRPOTrainer(TrainingLoop):
             from accelerate.utils import gather_object
 
             sources = sorted(set(gather_object(sources)))
-        record_val_metrics(metrics, groups, joined.components, joined.total, params.n, self.reward_thresholds,
+        record_val_metrics(metrics, groups, joined.components, joined.total, n, self.reward_thresholds,
                            prompt_sources, sources)
-        mark("task_metrics")
-        validation_task_metrics(metrics, self.config.trainer.val_metrics, generations, self.accelerator)
-        return StepResult(metrics, records=records, images=images)

@@ -552,7 +552,9 @@ class TrainingLoop(abc.ABC):
         self.health.open(resume_step)
         self.logger = writers.metrics
         last: dict[str, float] = {}
-        unscored = self.unscored = UnscoredSteps(self.rewards.keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
+        # no reward set (pure distillation): no step can be unscored
+        keys = self.rewards.keys if self.rewards is not None else []
+        unscored = self.unscored = UnscoredSteps(keys, fail=t.fail_on_unscored_steps, warn=self.is_main)
         try:
             # 3. the starting point's validation
             if t.val_before_train and self.state.global_step == 0:

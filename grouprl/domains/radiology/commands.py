@@ -303,6 +303,10 @@ def run_compare_demo(out: str | None = None, *, quick: bool = False, seed: int =
     return run_compare_seeds(out, seeds=seeds, seed=seed, quick=quick)
 
 
+DISTILL_DEMO = Demo(
+    run="grouprl.domains.radiology.demo:run_distill_demo", flag="--distill",
+    help="distil the tiny report model on-policy from the demo's SFT+GRPO model (run first when --out lacks "
+         "it), for GRPO's steps, and compare SFT, SFT+GRPO and SFT+distill (default out runs/demo)")
 REPORT_DEMO = Demo(
     run="grouprl.domains.radiology.demo:run_demo", default=True,
     help="SFT then GRPO on synthetic chest X-rays with a tiny Qwen2.5-VL, on CPU (default out runs/demo)")

@@ -421,3 +421,67 @@ def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 
     console.print(f"plot: {png.resolve()}")
     console.print(f"summary: {(out / 'compare_seeds.json').resolve()}")
     return result
+
+
+# ---------------------------------------------------------------------------- `grouprl demo --distill`
+
+
+def distill_config(grpo_cfg: dict, out: Path, teacher: Path) -> dict:
+    """The distillation row's config: the GRPO run's (same SFT start, steps, samples, validation) with no
+    reward, the teacher's reverse KL alone training the student (pure on-policy distillation)."""
+    cfg = merge_values(grpo_cfg, {"algorithm": {"teacher": {"model_path": str(teacher)}}})
+    cfg["worker"] = {**cfg["worker"], "reward": {}}
+    cfg["trainer"] = {**cfg["trainer"], "output_dir": str(out / "distill"), "experiment_name": "demo-distill",
+                      # the reward-gaming alarm reads the training reward, which this run has not
+                      "health": {}}
+    return cfg
+
+
+def run_distill_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0) -> dict:
+    """`grouprl demo --distill`: the tiny report model distilled on-policy from the demo's SFT+GRPO model
+    (its last GRPO checkpoint; the demo runs first when ``out`` lacks it), from the same SFT model, for
+    the same steps, validated at the same steps; the held-out table SFT, SFT+GRPO, SFT+distill, and
+    ``distill_summary.json``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from grouprl.data import load_samples
+    from grouprl.models.loading import load_model_and_processor
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    console = Console()
+    sizes = QUICK if quick else FULL
+    out = demo_dir(out, "runs/demo", quick)
+    teacher = out / "grpo" / "checkpoints" / f"global_step_{sizes['grpo_steps']}" / "model"
+    if not (teacher / "config.json").exists():
+        console.print(f"no SFT+GRPO model at {teacher}: running the demo first")
+        run_demo(out, quick=quick, seed=seed)
+    data = {"train": out / "data" / "train" / "data.json", "val": out / "data" / "val" / "data.json"}
+    _, grpo_cfg = demo_configs(out, data, sizes, seed)
+    cfg = distill_config(grpo_cfg, out, teacher)
+    console.rule("[bold]SFT+distill: on-policy distillation from the SFT+GRPO model")
+    shutil.rmtree(out / "distill", ignore_errors=True)  # a fresh run: its rows are compared with GRPO's
+    t0 = time.perf_counter()
+    GRPOTrainer(config_from_dict(cfg)).train()
+    val = load_samples([str(data["val"])], format="llava")
+    samples = [val[i] for i in range(len(val))]
+    sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
+    results = {"SFT": evaluate(sft_model, processor, samples), "SFT+GRPO": validated(out / "grpo"),
+               "SFT+distill": validated(out / "distill")}
+    table = Table(title=f"held-out synthetic studies (n={len(samples)})",
+                  caption=f"SFT+distill: {sizes['grpo_steps']} steps of on-policy distillation (reverse KL to "
+                          "the SFT+GRPO model, no reward), as many as GRPO's")
+    table.add_column("model")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
+    for name, r in results.items():
+        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
+    console.print(table)
+    kl = [r["distill/reverse_kl"] for r in map(json.loads, (out / "distill" / "metrics.jsonl").read_text().splitlines())
+          if "distill/reverse_kl" in r]
+    summary = {"teacher": str(teacher), "sizes": sizes, "seed": seed, "models": results,
+               "reverse_kl_first_last": [kl[0], kl[-1]] if kl else None,
+               "distill_wall_seconds": time.perf_counter() - t0}
+    write_text_atomic(out / "distill_summary.json", json.dumps(summary, indent=2))
+    console.print(f"summary: {(out / 'distill_summary.json').resolve()}")
+    return summary
