@@ -269,15 +269,35 @@ RS_CASES = [
 ]
 
 
+def with_empty_row(old, rollout, mask):
+    """A last row with no valid token (a response rejected before, or empty): counted apart by some metrics."""
+    mask = mask.clone()
+    mask[-1] = 0
+    return old, rollout, mask
+
+
 @pytest.mark.parametrize("rollout_rs,threshold", RS_CASES)
 def test_rejection_mask_and_metrics_equal_verls(rollout_rs, threshold):
-    old, rollout, mask = log_probs()
+    old, rollout, mask = with_empty_row(*log_probs())
     keep, metrics = algorithms.rollout_rejection_mask(padded_nan(old, mask), padded_nan(rollout, mask), mask,
                                                       rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
     theirs, their_metrics = verl_rejection_mask(old - rollout, mask, rollout_rs, threshold)
     assert torch.equal(keep, theirs)
     assert 0 < keep.sum() < mask.sum(), "each case keeps some tokens and rejects others"
     close_metrics(metrics, their_metrics)
+
+
+@pytest.mark.parametrize("rollout_rs,threshold", [("token_k1", "0.5_2.0"), ("token_k2", 0.5 * math.log(2) ** 2),
+                                                   ("seq_sum_k1", "0.5_2.0")])
+def test_a_statistic_on_its_bound_is_kept(rollout_rs, threshold):
+    """verl keeps S == bound (>= lower, <= upper): ratios of exactly 2 and 1/2 stay."""
+    old = torch.tensor([[math.log(2.0), 0.0], [-math.log(2.0), 0.0], [math.log(2.0) + 1e-9, 0.0]],
+                       dtype=torch.float64)
+    rollout, mask = torch.zeros_like(old), torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)
+    keep, _ = algorithms.rollout_rejection_mask(old, rollout, mask, rollout_rs=rollout_rs,
+                                                rollout_rs_threshold=threshold)
+    theirs, _ = verl_rejection_mask(old - rollout, mask, rollout_rs, threshold)
+    assert torch.equal(keep, theirs) and keep[:2, 0].tolist() == [1.0, 1.0] and keep[2, 0] == 0
 
 
 def test_seq_mean_k1_is_the_geometric_mean_ratio_bound():
@@ -319,7 +339,7 @@ def test_rs_options_parse_like_verls():
 @pytest.mark.parametrize("threshold", [2.0, 1.2, "0.5_5.0", "0.8_1.3"])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_is_weights_and_metrics_equal_verls(level, threshold, normalize):
-    old, rollout, mask = log_probs(seed=2, rows=16, spread=0.4)
+    old, rollout, mask = with_empty_row(*log_probs(seed=2, rows=16, spread=0.4))
     weights = algorithms.threshold_importance_weights(old, padded_nan(rollout, mask), mask, rollout_is=level,
                                                       rollout_is_threshold=threshold)
     metrics = algorithms.importance_weight_metrics(weights, old, rollout, mask, rollout_is=level,
@@ -546,9 +566,19 @@ def test_decoupled_preset_weights_and_rejects_before_the_update(setup, tmp_path)
     cfg = run_config(setup, tmp_path / "run", **{"algorithm.rollout_correction.rollout_is": "token",
                                                  "algorithm.rollout_correction.rollout_is_batch_normalize": True,
                                                  "algorithm.rollout_correction.rollout_rs": "token_k1",
-                                                 "algorithm.rollout_correction.rollout_rs_threshold": "1.0_1.0"})
+                                                 "algorithm.rollout_correction.rollout_rs_threshold": "0.8_1.25"})
     trainer = GRPOTrainer(config_from_dict(cfg))
     assert trainer.correct_rollout and trainer.bypass is None
+    # a sampler that disagrees with the trainer (as vLLM in bf16 would), by N(0, 0.3) per token
+    generate, noise = trainer.engine.generate, torch.Generator().manual_seed(0)
+
+    def mismatched(samples, params, **kwargs):
+        batch = generate(samples, params, **kwargs)
+        shift = torch.randn(batch.rollout_log_probs.shape, generator=noise) * 0.3
+        batch.rollout_log_probs = batch.rollout_log_probs + shift * batch.response_mask
+        return batch
+
+    trainer.engine.generate = mismatched
     seen = {}
     from grouprl.trainer import grpo
 
@@ -564,11 +594,12 @@ def test_decoupled_preset_weights_and_rejects_before_the_update(setup, tmp_path)
         trainer.train()
     finally:
         grpo.run_update = run_update
-    # a ratio bound of exactly 1 rejects every token whose trainer and sampler log-probs differ at all
     rejected = (seen["response_mask"] != 0) & (seen["loss_mask"] == 0)
+    assert 0 < rejected.sum() < (seen["response_mask"] != 0).sum()
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(metrics["rollout_corr/rollout_rs_masked_fraction"]
                - float(rejected.sum() / (seen["response_mask"] != 0).sum())) < 1e-6
     assert "rollout_corr/rollout_is_batch_norm_factor" in metrics and "rollout_corr/chi2_token" in metrics
     valid = seen["response_mask"] != 0
     assert abs(float(seen["weights"][valid].mean()) - 1.0) < 1e-5  # batch-normalised to mean 1
+    assert abs(metrics["rollout_corr/rollout_is_batch_norm_factor"] - 1.0) > 1e-3  # which took a division
