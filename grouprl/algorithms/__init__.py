@@ -5,14 +5,17 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 
 - ``ADVANTAGE_ESTIMATORS`` / ``compute_advantages``: grpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline, remax, grpo_passk;
-- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo;
+- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo, reinforce;
 - ``LOSS_AGG_MODES`` / ``aggregate_loss``: token-mean, seq-mean-token-sum,
   seq-mean-token-mean, seq-mean-token-sum-norm;
 - ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
 
 ``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
-``rollout_mismatch_metrics`` gives the mismatch statistics to log.
+``rollout_mismatch_metrics`` gives the mismatch statistics to log. verl's spelling of the same
+correction: ``threshold_importance_weights`` (TIS / IcePop), ``batch_normalized_weights``,
+``rollout_rejection_mask`` (verl's ``rollout_rs`` options) and their metrics;
+``compute_bypass_policy_loss`` is verl's bypass mode (old log-probs := the sampler's).
 
 Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
 ``dense_group_index`` turns any of them into dense long group numbers.
@@ -58,11 +61,25 @@ from grouprl.algorithms.policy_losses import (
 from grouprl.algorithms.rollout_correction import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
+    batch_normalized_weights,
+    importance_weight_metrics,
+    is_weight_totals,
+    off_policy_metrics,
+    parse_is_threshold,
     rollout_importance_weights,
     rollout_mismatch_metrics,
+    threshold_importance_weights,
+)
+from grouprl.algorithms.rollout_bypass import BYPASS_LOSS_TYPES, compute_bypass_policy_loss, rollout_correction_terms
+from grouprl.algorithms.rollout_rejection import (
+    ROLLOUT_RS_OPTIONS,
+    parse_rs_options,
+    parse_rs_thresholds,
+    rollout_rejection_mask,
 )
 
 __all__ = [
+    "BYPASS_LOSS_TYPES",
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_ESTIMATOR_INPUTS",
     "ADVANTAGE_ESTIMATOR_OPTIONS",
@@ -77,23 +94,35 @@ __all__ = [
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "ROLLOUT_RS_OPTIONS",
     "PolicyLossTerms",
     "aggregate_loss",
+    "batch_normalized_weights",
     "compute_advantages",
+    "compute_bypass_policy_loss",
     "compute_policy_loss",
     "dense_group_index",
     "filter_groups",
     "filter_groups_by_mean",
     "group_statistics",
+    "importance_weight_metrics",
+    "is_weight_totals",
     "kl_penalty",
     "mask_truncated",
     "masked_whiten",
+    "off_policy_metrics",
     "overlong_penalty",
+    "parse_is_threshold",
+    "parse_rs_options",
+    "parse_rs_thresholds",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_agg_mode",
     "register_policy_loss",
     "reward_std_per_group",
     "rollout_importance_weights",
+    "rollout_correction_terms",
     "rollout_mismatch_metrics",
+    "rollout_rejection_mask",
+    "threshold_importance_weights",
 ]

@@ -285,6 +285,24 @@ def sapo_policy_loss(
     return PolicyLossTerms(loss, ratio.detach(), never, never)
 
 
+@register_policy_loss("reinforce")
+def reinforce_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+) -> PolicyLossTerms:
+    """REINFORCE: l = -A * log_prob (no ratio, no clip; old_log_prob is read for the ratio metric only).
+
+    The gradient is -A grad log_prob. With ``token_weights`` w (an IS weight pi_theta / pi_rollout,
+    detached) it is verl's bypass-mode REINFORCE, l = -sg(w) A log_prob
+    (``compute_policy_loss_reinforce``). ``ratio`` = r for metrics; nothing is ever clipped.
+    """
+    ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob)).detach()
+    never = torch.zeros_like(ratio, dtype=torch.bool)
+    return PolicyLossTerms(-advantages * log_prob, ratio, never, never)
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
     # Selected, not multiplied: a custom loss may leave nan in its terms at masked positions.
     mask = mask.to(torch.float64)

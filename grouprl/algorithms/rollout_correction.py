@@ -199,3 +199,167 @@ def rollout_mismatch_metrics(
         "mismatch/weight_mean": _mean(weight_values, count),
         "mismatch/capped_frac": _mean(capped_values, count),
     }
+
+
+# ---------------------------------------------------------------- verl's spelling (rollout_is, rollout_is_threshold)
+
+
+def parse_is_threshold(spec: str | float) -> tuple[float | None, float]:
+    """verl's ``rollout_is_threshold`` as (lower, upper): a number (or a number's string) u is TIS,
+    (None, u); ``"lower_upper"`` is IcePop, (lower, upper).
+
+    ValueError for a boolean, an empty or malformed string, a bound <= 0 or not finite, or lower > upper.
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+        raise ValueError(f"rollout_is_threshold must be a number or a 'lower_upper' string; got {spec!r}")
+    text = str(spec).strip()
+    parts = text.split("_", 1) if "_" in text else [text]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"rollout_is_threshold {spec!r} is neither a number nor 'lower_upper'") from None
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"rollout_is_threshold bounds must be positive and finite; got {spec!r}")
+    if len(values) == 1:
+        return None, values[0]
+    if values[0] > values[1]:
+        raise ValueError(f"rollout_is_threshold lower bound exceeds the upper one: {spec!r}")
+    return values[0], values[1]
+
+
+def threshold_importance_weights(
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    *,
+    rollout_is: str,
+    rollout_is_threshold: str | float,
+) -> Tensor:
+    """verl's IS weights, [B, T], without gradient: ``rollout_importance_weights`` at level ``rollout_is``
+    with the bounds of ``parse_is_threshold(rollout_is_threshold)``:
+
+    - TIS, a single bound u: w = min(r, u)                (mode ``truncate``, clip_max = u);
+    - IcePop, ``"l_u"``:     w = r if l <= r <= u else 0  (mode ``mask``, clip_min = l, clip_max = u);
+
+    r = exp(d_t) (token) or exp(sum_t m_t d_t) (sequence). Where this differs from verl: verl
+    clamps the log-ratio to [-20, 20] before exp, so a ratio below exp(-20) ~ 2e-9 is raised to
+    it (here it stays as small as it is); above, both give the same clipped or zeroed weight.
+    """
+    lower, upper = parse_is_threshold(rollout_is_threshold)
+    if lower is None:
+        return rollout_importance_weights(old_log_prob, rollout_log_prob, response_mask, level=rollout_is,
+                                          mode="truncate", clip_max=upper, clip_min=None)
+    return rollout_importance_weights(old_log_prob, rollout_log_prob, response_mask, level=rollout_is,
+                                      mode="mask", clip_max=upper, clip_min=lower)
+
+
+def is_weight_totals(weights: Tensor, response_mask: Tensor, *, level: str) -> Tensor:
+    """float64 [2]: (sum, count) whose ratio is the batch mean of the IS weights, for ``batch_normalized_weights``.
+
+    ``level="token"``: (sum_{t: m != 0} w_t, number of valid tokens);
+    ``level="sequence"``: (sum_i w_i, number of rows with a valid token), w_i a row's weight
+    (the mean over its valid tokens, all equal). Sums, so processes add theirs (an all-reduce
+    of this vector) to get the global mean, as verl's ``distributed_masked_mean`` does.
+    """
+    _check_level(level)
+    valid = response_mask != 0
+    w = torch.where(valid, weights.detach().to(torch.float64), 0.0)
+    if level == "token":
+        return torch.stack([w.sum(), valid.sum().to(torch.float64)])
+    counts = valid.sum(-1)
+    rows = counts > 0
+    row_weight = w.sum(-1) / counts.clamp(min=1)
+    return torch.stack([row_weight[rows].sum(), rows.sum().to(torch.float64)])
+
+
+def batch_normalized_weights(weights: Tensor, totals: Tensor) -> tuple[Tensor, float]:
+    """(w / mu, mu) with mu = totals[0] / totals[1] (``is_weight_totals``, summed over processes);
+    w unchanged and mu reported as 1 when mu <= 1e-8 (verl's rollout_is_batch_normalize)."""
+    mean = float(totals[0] / totals[1]) if float(totals[1]) > 0 else 0.0
+    if mean > 1e-8:
+        return weights / mean, mean
+    return weights, 1.0
+
+
+def importance_weight_metrics(
+    weights: Tensor,
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    *,
+    rollout_is: str,
+    rollout_is_threshold: str | float,
+) -> dict[str, tuple[float, float]]:
+    """verl's means of the IS weights (``threshold_importance_weights``, before batch normalisation), each
+    (value, weight) for a weighted mean across processes (``rollout_corr/`` prefix, verl's names).
+
+    With r the uncapped ratio (token, or the row's at sequence level) and (l, u) the bounds
+    (l = 1/u for TIS, as verl's metrics take it):
+
+    - ``rollout_is_mean``: mean of w over valid tokens (weight: valid tokens);
+    - ``rollout_is_ratio_fraction_high`` / ``_low``: share with r > u / r < l, over valid tokens
+      (token) or over all rows (sequence; weight: rows, verl's mean over the batch);
+    - ``rollout_is_oob_ratio`` (IcePop only): share of valid tokens with r outside [l, u].
+    """
+    _check_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    _check_level(rollout_is)
+    lower, upper = parse_is_threshold(rollout_is_threshold)
+    icepop = lower is not None
+    lower = 1.0 / upper if lower is None else lower
+    valid = response_mask != 0
+    n_tokens = valid.sum()
+    w = torch.where(valid, weights.detach().to(torch.float64), 0.0)
+    log_ratio = _log_ratio(old_log_prob, rollout_log_prob, response_mask, rollout_is)
+    high, low = log_ratio > math.log(upper), log_ratio < math.log(lower)
+    if rollout_is == "token":
+        high_frac = _mean((high & valid).to(torch.float64), n_tokens)
+        low_frac = _mean((low & valid).to(torch.float64), n_tokens)
+    else:  # one value per row (the row's log-ratio sum, 0 for an empty row)
+        high_frac = _mean(high[:, 0].to(torch.float64), high.shape[0]) if high.shape[1] else (0.0, 0.0)
+        low_frac = _mean(low[:, 0].to(torch.float64), low.shape[0]) if low.shape[1] else (0.0, 0.0)
+    metrics = {"rollout_is_mean": _mean(w, n_tokens), "rollout_is_ratio_fraction_high": high_frac,
+               "rollout_is_ratio_fraction_low": low_frac}
+    if icepop:
+        metrics["rollout_is_oob_ratio"] = _mean(((high | low) & valid).to(torch.float64), n_tokens)
+    return metrics
+
+
+def off_policy_metrics(
+    old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor
+) -> dict[str, tuple[float, float]]:
+    """verl's off-policy diagnostics between trainer (old) and sampler (rollout) log-probs, each (value, weight).
+
+    Over valid tokens (weight: valid tokens), d_t = old_t - rollout_t:
+    ``kl`` = mean(-d) (KL(pi_rollout || pi_train), direct estimate), ``k3_kl`` = mean(exp(d) - d - 1),
+    ``chi2_token`` = mean(exp(2 clamp(d, -20, 20))) - 1.
+    Over rows with a valid token (weight: those rows), with lbar_i = mean_t of a row's log-probs:
+    ``training_ppl`` = mean_i exp(-lbar_old_i), ``rollout_ppl`` = mean_i exp(-lbar_rollout_i),
+    ``log_ppl_diff`` = mean_i (lbar_rollout_i - lbar_old_i), ``chi2_seq`` = mean_i exp(2 clamp(sum_t d_t, -20, 20)) - 1.
+    Where this differs from verl: its row means run over every row, an empty one counted as 0
+    (and ``chi2_seq`` as 1); here empty rows are left out. Its ``k3_kl`` has no clamp; neither has this one.
+    """
+    _check_log_probs(old_log_prob, rollout_log_prob, response_mask)
+    valid = response_mask != 0
+    n_tokens = valid.sum()
+    old = torch.where(valid, old_log_prob.detach().to(torch.float64), 0.0)
+    rollout = torch.where(valid, rollout_log_prob.detach().to(torch.float64), 0.0)
+    d = old - rollout
+    counts = valid.sum(-1)
+    rows = counts > 0
+    n_rows = rows.sum()
+    mean_old, mean_rollout = old.sum(-1) / counts.clamp(min=1), rollout.sum(-1) / counts.clamp(min=1)
+
+    def over_rows(values: Tensor) -> tuple[float, float]:
+        return _mean(torch.where(rows, values, 0.0), n_rows)
+
+    chi2_token = _mean(torch.where(valid, torch.exp(2 * d.clamp(-20.0, 20.0)), 0.0), n_tokens)
+    chi2_seq = over_rows(torch.exp(2 * d.sum(-1).clamp(-20.0, 20.0)))
+    return {
+        "kl": _mean(-d, n_tokens),
+        "k3_kl": _mean(torch.where(valid, torch.expm1(d) - d, 0.0), n_tokens),
+        "chi2_token": (chi2_token[0] - 1.0 if chi2_token[1] else 0.0, chi2_token[1]),
+        "training_ppl": over_rows(torch.exp(-mean_old)),
+        "rollout_ppl": over_rows(torch.exp(-mean_rollout)),
+        "log_ppl_diff": over_rows(mean_rollout - mean_old),
+        "chi2_seq": (chi2_seq[0] - 1.0 if chi2_seq[1] else 0.0, chi2_seq[1]),
+    }

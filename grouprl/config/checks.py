@@ -111,6 +111,7 @@ def validate(config: Config) -> None:
                           "'worker.reward.reward_function' is called, and that key is not set (the functions of "
                           "'worker.reward.functions' are told apart by their signature and file)")
     _check_mean_filter(config)
+    _check_verl_rollout_correction(config)
     check_best(config.trainer)
     if config.worker.reward.timeout is not None and not config.worker.reward.timeout > 0:
         raise ConfigError(f"config key 'worker.reward.timeout' must be seconds > 0 or null (no limit); "
@@ -222,3 +223,37 @@ def _check_mean_filter(config: Config) -> None:
         raise ConfigError(f"config key 'algorithm.filter_key': {key!r} names no reward component; the run's "
                           f"components are {', '.join(known)} (parts such as accuracy come from an EasyR1 "
                           "reward function's scores)")
+
+
+def _check_verl_rollout_correction(config: Config) -> None:
+    """verl's rollout-correction keys (``grouprl.config.rollout_correction``): conflicts, thresholds, bypass loss."""
+    from grouprl import algorithms
+    from grouprl.config.rollout_correction import resolve_verl_correction
+
+    key = "algorithm.rollout_correction"
+    verl = resolve_verl_correction(config.algorithm.rollout_correction, key)
+    if verl is None:
+        return
+    if verl.rollout_is is not None:
+        try:
+            algorithms.parse_is_threshold(verl.rollout_is_threshold)
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}.rollout_is_threshold': {exc}") from None
+    elif verl.rollout_is_batch_normalize:
+        raise ConfigError(f"config key '{key}.rollout_is_batch_normalize' normalises IS weights, and "
+                          f"'{key}.rollout_is' is null (no IS weights); set rollout_is or drop it")
+    if verl.rollout_rs is not None:
+        try:
+            options = algorithms.parse_rs_options(verl.rollout_rs)
+            algorithms.parse_rs_thresholds(options, verl.rollout_rs_threshold)
+        except ValueError as exc:
+            raise ConfigError(f"config key '{key}.rollout_rs': {exc}") from None
+    if verl.loss_type == "reinforce":
+        if not verl.bypass_mode:
+            raise ConfigError(f"config key '{key}.loss_type' reinforce is bypass mode's loss; "
+                              f"set '{key}.bypass_mode: true' or loss_type ppo_clip")
+        if config.algorithm.policy_loss not in ("vanilla", "reinforce"):
+            raise ConfigError(f"config key '{key}.loss_type' reinforce replaces the policy loss, and "
+                              f"'algorithm.policy_loss' is {config.algorithm.policy_loss!r}; use loss_type ppo_clip "
+                              "(the configured loss with ratio pi_theta / pi_rollout) or drop policy_loss")
+

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grouprl.config.rollout_correction import VERL_PRESET_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message names the key."""
@@ -78,6 +80,17 @@ class RolloutCorrectionConfig:
     mode: str = field(default="mask", metadata=choices("truncate", "mask"))
     clip_max: float | None = 3.0
     clip_min: float | None = None
+    # verl's keys and presets (grouprl.config.rollout_correction; docs/training.md). null = not given;
+    # when any is given they replace level / mode / clip_* (which must then keep their defaults).
+    preset: str | None = field(default=None, metadata=choices(*VERL_PRESET_NAMES))
+    rollout_is: str | None = field(default=None, metadata=choices("token", "sequence"))
+    # str first: float() would read "1_5" (IcePop's "lower_upper") as 15; numbers are read back in resolving
+    rollout_is_threshold: str | float | None = None  # u (TIS) or "lower_upper" (IcePop); verl's default 2.0
+    rollout_is_batch_normalize: bool | None = None
+    rollout_rs: str | None = None  # comma list of verl's rejection options (token_k1, seq_mean_k1, ...)
+    rollout_rs_threshold: str | float | None = None
+    bypass_mode: bool | None = None  # old_log_prob := the sampler's; no trainer recompute
+    loss_type: str | None = field(default=None, metadata=choices("ppo_clip", "reinforce"))
 
 
 @dataclass

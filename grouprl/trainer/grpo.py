@@ -28,6 +28,7 @@ import torch
 from grouprl import algorithms
 from grouprl.config import ActorConfig, Config, ConfigError
 from grouprl.config.algorithm_options import resolve_options
+from grouprl.config.rollout_correction import resolve_verl_correction
 from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
@@ -37,6 +38,8 @@ from grouprl.trainer.parallel import full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
+from grouprl.trainer.rollout_correction import bypass_old_log_probs, correct_decoupled
+from grouprl.trainer.rollout_correction import record as record_correction
 from grouprl.trainer.task_metrics import validation_task_metrics
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 from grouprl.trainer.val_metrics import group_rows, record_val_metrics
@@ -105,15 +108,26 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
 
 
 def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
-              algorithm, actor: ActorConfig, loss_options: dict):
+              algorithm, actor: ActorConfig, loss_options: dict, bypass=None):
     """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
     ``algorithm`` and ``worker.actor`` config sections and the policy loss's resolved options
     bound): the policy loss, plus the KL term when it is a loss. Reports ``pg_loss`` and
-    ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted means."""
+    ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted means.
+    ``bypass`` (verl's bypass mode, a ``VerlRolloutCorrection``): the loss against the sampler's
+    log-probs, corrected per micro-batch."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
-    pg_loss, pg_metrics = algorithms.compute_policy_loss(
-        algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
-        token_weights=mb.token_weights, **loss_options, **norms.as_options())
+    options = {**loss_options, **norms.as_options()}
+    if bypass is not None:
+        pg_loss, pg_metrics, corr = algorithms.compute_bypass_policy_loss(
+            log_prob, old, mb.advantages, mb.loss_mask, loss_type=bypass.loss_type, policy_loss=algorithm.policy_loss,
+            rollout_is=bypass.rollout_is, rollout_is_threshold=bypass.rollout_is_threshold,
+            rollout_is_batch_normalize=bypass.rollout_is_batch_normalize, rollout_rs=bypass.rollout_rs,
+            rollout_rs_threshold=bypass.rollout_rs_threshold, loss_agg_mode=algorithm.loss_agg_mode, **options)
+        record_correction(metrics, corr)
+    else:
+        pg_loss, pg_metrics = algorithms.compute_policy_loss(
+            algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
+            token_weights=mb.token_weights, **options)
     tokens = float(mb.loss_mask.sum())
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
@@ -350,9 +364,13 @@ class GRPOTrainer(TrainingLoop):
         self.multiturn = self._multiturn()
         self._check_async_mode()
         correction = config.algorithm.rollout_correction
+        # verl's keys or preset (None: TRL's level / mode / clip_*); bypass: the sampler's log-probs are the old ones
+        self.verl_correction = resolve_verl_correction(correction)
+        self.bypass = self.verl_correction if self.verl_correction and self.verl_correction.bypass_mode else None
         # the sampler's log-probs differ from the trainer's when another engine or stale weights sampled
         self.correct_rollout = (correction.enable if correction.enable is not None
-                                else engine_cls.owns_weights or t.async_mode == "one_step_off")
+                                else engine_cls.owns_weights or t.async_mode == "one_step_off"
+                                or self.verl_correction is not None)
         if self.is_vlm:
             # fail before training, not at step 300, when processor and model disagree
             check_image_tokens(self.processor, self.policy, train_dataset[0])
@@ -447,8 +465,10 @@ class GRPOTrainer(TrainingLoop):
         on_policy = settings.epochs == 1 and settings.num_minibatches == 1 and not stale
         t_log_probs = time.perf_counter()
         mark("log-probs")
-        # distillation's advantage needs the sampling student's log-probs before the update
-        if not on_policy or kl_in_reward or self.correct_rollout or self.teacher is not None:
+        # distillation's advantage needs the sampling student's log-probs before the update;
+        # in verl's bypass mode the sampler's are the old ones (set by _correct_rollout)
+        needed = not on_policy or kl_in_reward or self.correct_rollout or self.teacher is not None
+        if needed and self.bypass is None:
             batch.old_log_probs = self._log_probs(self.model, batch)
         if self.correct_rollout:
             self._correct_rollout(batch, metrics)
@@ -476,7 +496,8 @@ class GRPOTrainer(TrainingLoop):
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
-        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor, loss_options=self.loss_options)
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor, loss_options=self.loss_options,
+                                    bypass=self.bypass)
         sleeping = self.engine.supports_sleep and not self.prefetcher.running
         if sleeping:
             self.engine.sleep()
@@ -707,6 +728,14 @@ class GRPOTrainer(TrainingLoop):
             keep &= algorithms.filter_groups(batch.scores, batch.group_index, min_std=algo.filter_min_std)
         return keep
 
+    def _sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """float64 ``values`` summed element-wise over the processes (an all-reduce; itself with one)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        t = values.to(dtype=torch.float64, device=self.accelerator.device)
+        torch.distributed.all_reduce(t)
+        return t.cpu()
+
     def _fewest_over_processes(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
             return value
@@ -761,6 +790,12 @@ class GRPOTrainer(TrainingLoop):
         """Importance weights between the trainer's old log-probs and the sampler's, with their mismatch logged."""
         if batch.rollout_log_probs is None:
             raise RuntimeError("rollout correction is on, but the engine returned no sampler log-probs")
+        if self.bypass is not None:  # verl's bypass: corrected in the loss, per micro-batch
+            batch.old_log_probs = bypass_old_log_probs(batch, lambda: self._log_probs(self.model, batch))
+            return
+        if self.verl_correction is not None:
+            correct_decoupled(batch, self.verl_correction, metrics, sum_over_processes=self._sum_over_processes)
+            return
         c = self.config.algorithm.rollout_correction
         weights = algorithms.rollout_importance_weights(batch.old_log_probs, batch.rollout_log_probs,
                                                         batch.loss_mask, level=c.level, mode=c.mode,
