@@ -68,8 +68,9 @@ def _options_class(family: str, name: str) -> type:
     return algorithms.advantage_estimator_options_class(name)
 
 
-def resolve_options(config: Config, family: str) -> dict[str, Any]:
-    """The options of the run's ``family`` algorithm (``adv_estimator`` or ``policy_loss``).
+def resolve_options(config: Config, family: str, *, name: str | None = None) -> dict[str, Any]:
+    """The options of the run's ``family`` algorithm (``adv_estimator`` or ``policy_loss``), or of
+    algorithm ``name`` of that family when given (verl's bypass REINFORCE replaces the loss).
 
     Defaults of its options class, then the older keys that set one of its options
     (``OPTION_KEYS``), then ``algorithm.<family>_options``, each value checked against the
@@ -83,7 +84,7 @@ def resolve_options(config: Config, family: str) -> dict[str, Any]:
     from grouprl.algorithms.options import option_defaults
 
     kind, key = _FAMILIES[family]
-    name = getattr(config.algorithm, family)
+    name = name if name is not None else getattr(config.algorithm, family)
     cls = _options_class(family, name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = get_type_hints(cls)

@@ -367,6 +367,8 @@ class GRPOTrainer(TrainingLoop):
         # verl's keys or preset (None: TRL's level / mode / clip_*); bypass: the sampler's log-probs are the old ones
         self.verl_correction = resolve_verl_correction(correction)
         self.bypass = self.verl_correction if self.verl_correction and self.verl_correction.bypass_mode else None
+        if self.bypass is not None and self.bypass.loss_type == "reinforce":  # bypass REINFORCE replaces the loss
+            self.loss_options = resolve_options(config, "policy_loss", name="reinforce")
         # the sampler's log-probs differ from the trainer's when another engine or stale weights sampled
         self.correct_rollout = (correction.enable if correction.enable is not None
                                 else engine_cls.owns_weights or t.async_mode == "one_step_off"

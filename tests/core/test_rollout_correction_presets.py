@@ -403,9 +403,11 @@ def test_bypass_loss_and_gradient_equal_verls(cfg):
     old, rollout, mask = log_probs(seed=6, spread=0.2)
     advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     ours_lp = old.clone().requires_grad_(True)
+    # the options of the loss used: PPO's clip for ppo_clip, none for reinforce
+    clip = {} if cfg["loss_type"] == "reinforce" else {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                                       "clip_ratio_dual": 3.0}
     loss, _, metrics = algorithms.compute_bypass_policy_loss(
-        ours_lp, padded_nan(rollout, mask), advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
-        clip_ratio_dual=3.0, num_tokens=float(mask.sum()), **cfg)
+        ours_lp, padded_nan(rollout, mask), advantages, mask, num_tokens=float(mask.sum()), **clip, **cfg)
     loss.backward()
     theirs_lp = old.clone().requires_grad_(True)
     their_loss, their_metrics = verl_bypass_loss(theirs_lp, rollout, advantages, mask, cfg)
@@ -431,8 +433,8 @@ def test_reinforce_gradient_is_the_weighted_score_function():
     torch.testing.assert_close(lp.grad, expected)
     # the REINFORCE loss alone: l = -A log_prob, its gradient -A
     lp2 = old.clone().requires_grad_(True)
-    plain, _ = algorithms.compute_policy_loss("reinforce", lp2, rollout, advantages, mask, clip_ratio_low=None,
-                                              clip_ratio_high=None, loss_agg_mode="seq-mean-token-sum")
+    plain, _ = algorithms.compute_policy_loss("reinforce", lp2, rollout, advantages, mask,
+                                              loss_agg_mode="seq-mean-token-sum")
     plain.backward()
     torch.testing.assert_close(lp2.grad, -advantages * mask / mask.shape[0])
 
