@@ -14,6 +14,10 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
 ``rollout_mismatch_metrics`` gives the mismatch statistics to log.
 
+``entropy_bonus`` (the token-mean entropy the loss subtracts, times its coefficient),
+``adaptive_entropy_coef`` and ``applied_entropy_coef`` (Skywork-OR1's controller, as TRL's):
+entropy regularisation (module ``entropy``).
+
 Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
 ``dense_group_index`` turns any of them into dense long group numbers.
 
@@ -31,6 +35,7 @@ from grouprl.algorithms.advantages import (
     register_advantage_estimator,
 )
 from grouprl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, register_loss_agg_mode
+from grouprl.algorithms.entropy import adaptive_entropy_coef, applied_entropy_coef, entropy_bonus
 from grouprl.algorithms.filtering import (
     filter_groups,
     filter_groups_by_mean,
@@ -61,10 +66,13 @@ __all__ = [
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "PolicyLossTerms",
+    "adaptive_entropy_coef",
     "aggregate_loss",
+    "applied_entropy_coef",
     "compute_advantages",
     "compute_policy_loss",
     "dense_group_index",
+    "entropy_bonus",
     "filter_groups",
     "filter_groups_by_mean",
     "group_statistics",

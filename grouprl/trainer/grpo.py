@@ -30,6 +30,8 @@ from grouprl.config import ActorConfig, Config, ConfigError
 from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
+from grouprl.trainer.entropy_control import STATE_KEY as ENTROPY_STATE
+from grouprl.trainer.entropy_control import EntropyControl
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.parallel import full_named_parameters, mark
@@ -117,11 +119,12 @@ def policy_loss_options(name: str, actor: ActorConfig) -> dict:
 
 
 def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
-              algorithm, actor: ActorConfig):
+              algorithm, actor: ActorConfig, entropy_control: EntropyControl | None = None):
     """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
     ``algorithm`` and ``worker.actor`` config sections bound): the policy loss, plus the
-    KL term when it is a loss. Reports ``pg_loss`` and ``kl_loss``; records clip
-    fractions, ratio, entropy and KL as token-weighted means."""
+    KL term when it is a loss, less ``entropy_control``'s applied coefficient times the
+    token-mean entropy (``algorithms.entropy_bonus``). Reports ``pg_loss`` and ``kl_loss``;
+    records clip fractions, ratio, entropy and KL as token-weighted means."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
     pg_loss, pg_metrics = algorithms.compute_policy_loss(
         algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
@@ -139,6 +142,14 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
         loss = loss + algorithm.kl_coef * kl_loss
         reported["kl_loss"] = kl_loss.detach()
         metrics.mean("actor/kl", _masked_mean(kl.detach(), mb.loss_mask), tokens)
+    if entropy_control is not None and entropy_control.enabled:
+        coef = entropy_control.applied()
+        if coef:
+            if log_prob.requires_grad and not entropy.requires_grad:  # a bonus that trains nothing, said once
+                raise RuntimeError("worker.actor.entropy_coeff applies, but the log-prob function returned an "
+                                   "entropy without gradient (compute_log_probs(..., entropy_grad=True))")
+            loss = loss - coef * algorithms.entropy_bonus(entropy, mb.loss_mask, num_tokens=norms.num_tokens)
+        entropy_control.observe(entropy, mb.loss_mask)
     return loss, reported
 
 
@@ -323,6 +334,7 @@ class GRPOTrainer(TrainingLoop):
             # with LoRA the reference is the policy with adapters off: no second copy
             self.ref_model = self._frozen_copy(config.worker.ref.model_path or actor.model.model_path)
 
+        self.entropy_control = EntropyControl(actor.entropy_coeff, actor.entropy_control, accelerator=accelerator)
         self.optimizer = build_optimizer(self.model, actor)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
         self.update_settings = UpdateSettings(
@@ -403,6 +415,7 @@ class GRPOTrainer(TrainingLoop):
 
     def on_resume(self) -> None:
         self._sync_rollout_weights()
+        self.entropy_control.load(self.state.extra.get(ENTROPY_STATE))
 
     def run_info_extras(self) -> dict:
         return {"strategy": self.config.worker.actor.strategy,
@@ -467,7 +480,8 @@ class GRPOTrainer(TrainingLoop):
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
-        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor)
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor,
+                                    entropy_control=self.entropy_control)
         sleeping = self.engine.supports_sleep and not self.prefetcher.running
         if sleeping:
             self.engine.sleep()
@@ -475,7 +489,10 @@ class GRPOTrainer(TrainingLoop):
         mark("update")
         self.state.optimizer_steps += run_update(
             self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
-            accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
+            accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics,
+            on_step_end=lambda: self.entropy_control.step_end(metrics))
+        if self.entropy_control.enabled:  # saved with the step's checkpoint
+            self.state.extra[ENTROPY_STATE] = self.entropy_control.state()
         self.scheduler.step()
         metrics.max("timing/update_s", time.perf_counter() - t_update)
 
@@ -707,7 +724,9 @@ class GRPOTrainer(TrainingLoop):
         actor = self.config.worker.actor
         return compute_log_probs(model, batch, micro_batch_size=len(batch),
                                  temperature=self.config.worker.rollout.temperature, with_entropy=True,
-                                 padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens)
+                                 padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens,
+                                 # the entropy's backward costs memory and time: only when the bonus applies now
+                                 entropy_grad=self.entropy_control.applied() != 0)
 
     def _experience_micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The no-grad forwards' micro-batches: fixed rows, or (dynamic_batching) a token budget."""
