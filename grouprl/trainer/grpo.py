@@ -133,7 +133,7 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
     if entropy is not None:
-        metrics.mean("actor/entropy", _masked_mean(entropy, mb.loss_mask), tokens)
+        metrics.mean("actor/entropy", _masked_mean(entropy.detach(), mb.loss_mask), tokens)
     reported = {"pg_loss": pg_loss.detach()}
     loss = pg_loss
     if algorithm.kl_coef > 0 and algorithm.use_kl_loss:
