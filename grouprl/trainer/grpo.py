@@ -145,7 +145,8 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     if entropy_control is not None and entropy_control.enabled:
         coef = entropy_control.applied()
         if coef:
-            if log_prob.requires_grad and not entropy.requires_grad:  # a bonus that trains nothing, said once
+            # refused rather than dropped: a bonus without gradient would train nothing, silently
+            if entropy is None or (log_prob.requires_grad and not entropy.requires_grad):
                 raise RuntimeError("worker.actor.entropy_coeff applies, but the log-prob function returned an "
                                    "entropy without gradient (compute_log_probs(..., entropy_grad=True))")
             loss = loss - coef * algorithms.entropy_bonus(entropy, mb.loss_mask, num_tokens=norms.num_tokens)
