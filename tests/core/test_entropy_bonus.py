@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import math
+import runpy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,15 +32,8 @@ MODES = [pytest.param(False, None, id="padded-full"), pytest.param(False, 2, id=
          pytest.param(True, None, id="packed-full"), pytest.param(True, 2, id="packed-chunked")]
 
 
-def _grad_check():
-    """tests/core/distributed/grad_check.py as a module (its batch builder and recording optimizer)."""
-    spec = importlib.util.spec_from_file_location("grad_check", HERE / "distributed" / "grad_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GRAD_CHECK = _grad_check()
+# the distributed check's batch builder and recording optimizer (its main() runs only under torchrun)
+GRAD_CHECK = SimpleNamespace(**runpy.run_path(str(HERE / "distributed" / "grad_check.py")))
 
 
 @pytest.fixture(scope="module")
