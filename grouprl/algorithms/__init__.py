@@ -17,6 +17,10 @@ correction: ``threshold_importance_weights`` (TIS / IcePop), ``batch_normalized_
 ``rollout_rejection_mask`` (verl's ``rollout_rs`` options) and their metrics;
 ``compute_bypass_policy_loss`` is verl's bypass mode (old log-probs := the sampler's).
 
+``entropy_bonus`` (the token-mean entropy the loss subtracts, times its coefficient),
+``adaptive_entropy_coef`` and ``applied_entropy_coef`` (Skywork-OR1's controller, as TRL's):
+entropy regularisation (module ``entropy``).
+
 Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
 ``dense_group_index`` turns any of them into dense long group numbers.
 
@@ -41,6 +45,7 @@ from grouprl.algorithms.advantages import (
     register_advantage_estimator,
 )
 from grouprl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, register_loss_agg_mode
+from grouprl.algorithms.entropy import adaptive_entropy_coef, applied_entropy_coef, entropy_bonus
 from grouprl.algorithms.filtering import (
     filter_groups,
     filter_groups_by_mean,
@@ -96,12 +101,15 @@ __all__ = [
     "ROLLOUT_CORRECTION_MODES",
     "ROLLOUT_RS_OPTIONS",
     "PolicyLossTerms",
+    "adaptive_entropy_coef",
     "aggregate_loss",
+    "applied_entropy_coef",
     "batch_normalized_weights",
     "compute_advantages",
     "compute_bypass_policy_loss",
     "compute_policy_loss",
     "dense_group_index",
+    "entropy_bonus",
     "filter_groups",
     "filter_groups_by_mean",
     "group_statistics",

@@ -84,6 +84,8 @@ def validate(config: Config) -> None:
     _positive("worker.actor.log_prob_chunk_tokens", actor.log_prob_chunk_tokens, allow_zero=True)
     _positive("worker.actor.ppo_epochs", actor.ppo_epochs)
     _positive("worker.actor.optim.lr", actor.optim.lr, allow_zero=True)
+    _positive("worker.actor.entropy_coeff", actor.entropy_coeff, allow_zero=True)
+    actor.entropy_control.check("worker.actor.entropy_control")
     if config.data.rollout_batch_size % actor.global_batch_size:
         raise ConfigError(
             f"config key 'data.rollout_batch_size' ({config.data.rollout_batch_size}) must be a multiple of "

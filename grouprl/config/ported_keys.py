@@ -11,7 +11,7 @@ values before they are built into the schema, and is handled in one of three way
   padding-free kernels); the value is dropped with a note naming the key and what grouprl
   does instead;
 - **refused**: a value whose meaning grouprl cannot honour and whose loss would change what
-  the run computes (an entropy bonus, a custom chat template):
+  the run computes (a custom chat template, sequence parallelism):
   a ConfigError naming the key and what to do. Each entry's ``refuse`` says why in a comment.
 
 Notes are warnings on the ``grouprl.config.ported_keys`` logger, one line each, never silent. The entries
@@ -224,10 +224,6 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
          _choice(_LOSS_TYPE, "algorithm.policy_loss"), refuse=_choice_refuse(_LOSS_TYPE)),
     _rename("worker.actor.tau_positive", "worker.actor.sapo.tau_pos", "SAPO's gate temperature, positive advantages"),
     _rename("worker.actor.tau_negative", "worker.actor.sapo.tau_neg", "SAPO's gate temperature, negative advantages"),
-    # An entropy bonus changes the objective: refused unless 0.
-    _note("worker.actor.entropy_coeff", "entropy bonus weight (EasyR1 < 0.3)", "no entropy bonus",
-          refuse=lambda v, _: None if not v else "grouprl has no entropy bonus (use 0)",
-          quiet_when=lambda v: not v),
     _rename("worker.actor.use_kl_loss", "algorithm.use_kl_loss", "KL as a loss term (EasyR1 < 0.3)"),
     _map("worker.actor.kl_loss_coef", "weight of the KL loss (EasyR1 < 0.3)",
          "algorithm.kl_coef when use_kl_loss", _old_kl_coef, overrides=True),

@@ -235,6 +235,35 @@ class SAPOConfig:
 
 
 @dataclass
+class EntropyControlConfig:
+    """Skywork-OR1's adaptive entropy coefficient (TRL's ``use_adaptive_entropy``; ``grouprl.algorithms.entropy``).
+
+    With ``adaptive``, ``worker.actor.entropy_coeff`` is the starting coefficient; after each
+    optimizer step it moves by ``delta`` (up when the step's mean entropy <= ``target``, down
+    otherwise) within [``coef_min``, ``coef_max``], and the bonus applies only while the last
+    measured entropy <= ``target``.
+    """
+
+    adaptive: bool = False
+    target: float = 0.2  # nats per token
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+    delta: float = 0.005
+
+    def check(self, key: str) -> None:
+        """Raise ConfigError naming the offending key under ``key`` (``worker.actor.entropy_control``)."""
+        import math
+
+        for name in ("target", "coef_min", "coef_max", "delta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"config key '{key}.{name}' must be >= 0 and finite; got {value}")
+        if self.coef_min > self.coef_max:
+            raise ConfigError(f"config key '{key}.coef_min' ({self.coef_min}) is above '{key}.coef_max' "
+                              f"({self.coef_max})")
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -264,6 +293,10 @@ class ActorConfig:
     gspo: GSPOConfig = field(default_factory=GSPOConfig)
     cispo: CISPOConfig = field(default_factory=CISPOConfig)
     sapo: SAPOConfig = field(default_factory=SAPOConfig)
+    # Entropy bonus (EasyR1's key): the loss less entropy_coeff x the policy's token-mean entropy over
+    # the loss mask, whatever the loss_agg_mode (TRL's entropy_coef); the adaptive start under entropy_control
+    entropy_coeff: float = 0.0
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
 
 
 @dataclass

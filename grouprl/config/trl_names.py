@@ -65,6 +65,14 @@ TRL_NAMES: tuple[TRLName, ...] = (
     TRLName("sapo_temperature_pos", "worker.actor.sapo.tau_pos"),
     TRLName("sapo_temperature_neg", "worker.actor.sapo.tau_neg"),
     TRLName("mask_truncated_completions", "algorithm.mask_truncated_completions"),
+    TRLName("entropy_coef", "worker.actor.entropy_coeff",
+            differs="TRL's bonus is each micro-batch's token mean; grouprl's the mini-batch's (exact under accumulation)"),
+    TRLName("use_adaptive_entropy", "worker.actor.entropy_control.adaptive"),
+    TRLName("entropy_coef_min", "worker.actor.entropy_control.coef_min"),
+    TRLName("entropy_coef_max", "worker.actor.entropy_control.coef_max"),
+    TRLName("entropy_coef_delta", "worker.actor.entropy_control.delta"),
+    TRLName("entropy_target", "worker.actor.entropy_control.target",
+            differs="a step with no loss token leaves the coefficient as it is (TRL reads its entropy as 0)"),
     TRLName("reward_weights", "worker.reward.functions", "each function's weight sits with it: "
             "worker.reward.functions[i].weight"),
     # ---------------------------------------------------------------- TrainingArguments

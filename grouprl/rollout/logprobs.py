@@ -53,6 +53,7 @@ def score_positions(
     suppressed: list[int] | None = None,
     with_entropy: bool = False,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of ``targets`` (and the entropy) at each of ``M`` positions, chunk by chunk.
 
@@ -66,7 +67,9 @@ def score_positions(
     runs under activation checkpointing, so the backward pass recomputes that chunk's logits
     instead of keeping all of them (peak memory no longer grows with rows x tokens x
     vocabulary). ``chunk_tokens=None`` (or 0): one chunk, no checkpointing, the logits of all
-    positions at once. The entropy is a metric: never differentiated.
+    positions at once. The entropy is a metric, computed outside autograd, unless
+    ``entropy_grad`` (an entropy bonus in the loss): then it is differentiable too, through the
+    same checkpointed chunks, so its backward pass also holds one chunk's logits at a time.
     """
     if len(hidden) == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
@@ -78,15 +81,15 @@ def score_positions(
         h, t = hidden[start : start + size], targets[start : start + size]
         if checkpointed:
             lp, ent = torch.utils.checkpoint.checkpoint(
-                _score_chunk, h, t, project, temperature, suppressed, with_entropy, use_reentrant=False)
+                _score_chunk, h, t, project, temperature, suppressed, with_entropy, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _score_chunk(h, t, project, temperature, suppressed, with_entropy)
+            lp, ent = _score_chunk(h, t, project, temperature, suppressed, with_entropy, entropy_grad)
         log_probs.append(lp)
         entropies.append(ent)
     return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
 
 
-def _score_chunk(h, targets, project, temperature, suppressed, with_entropy):
+def _score_chunk(h, targets, project, temperature, suppressed, with_entropy, entropy_grad=False):
     model_logits = project(h)
     logits = model_logits.float()
     if temperature != 1.0:
@@ -98,12 +101,22 @@ def _score_chunk(h, targets, project, temperature, suppressed, with_entropy):
     log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
     entropy = None
     if with_entropy:
-        # outside autograd, the [M, vocab] softmax is not saved for the backward pass
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            # a suppressed token (logit -inf, probability 0) adds 0, not 0 * -inf
-            entropy = normalizer - torch.where(probs > 0, probs * logits, 0.0).sum(-1)
+        # a metric: outside autograd, the [M, vocab] softmax is not saved for the backward pass
+        with torch.no_grad() if not entropy_grad else contextlib.nullcontext():
+            entropy = _entropy(logits, normalizer)
     return log_probs, entropy
+
+
+def _entropy(logits: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` at each row of ``logits`` z (``normalizer`` its logsumexp).
+
+    A suppressed token (logit -inf, probability 0) adds 0, not 0 * -inf; its logit is replaced
+    by 0 before the product, not after, so that the gradient there is 0 too (the product's
+    backward multiplies by the logit: 0 * -inf is nan).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    finite = torch.where(probs > 0, logits, 0.0)
+    return normalizer - (probs * finite).sum(-1)
 
 
 def output_layer(model) -> torch.nn.Linear | None:
@@ -243,6 +256,7 @@ def forward_response_log_probs(
     with_entropy: bool = False,
     padding_free: bool = False,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass over ``cat(prompt, response)``; log-probs of the response tokens.
 
@@ -251,7 +265,8 @@ def forward_response_log_probs(
     engine ever samples (``suppress_tokens``), and ``entropy[i, t] = -sum_v p_v log p_v`` of the
     same distribution, both 0 where ``response_mask`` is 0. Shapes ``[B, R]``, on the model's
     device; ``log_prob`` is differentiable when grad is enabled (the policy-loss micro-batch),
-    ``entropy`` never is (it is logged, not optimised). ``model_inputs`` is the collated dict of
+    ``entropy`` only with ``entropy_grad`` (an entropy bonus in the loss; otherwise it is logged,
+    not optimised, and costs no backward memory). ``model_inputs`` is the collated dict of
     the rows' extra inputs (or the per-row dicts, collated here).
 
     The logits are computed only at the response positions, from the final hidden states,
@@ -302,7 +317,7 @@ def forward_response_log_probs(
         source = grid[mask]
     picked_targets = targets[mask]
     settings = dict(temperature=temperature, suppressed=suppressed, with_entropy=with_entropy,
-                    chunk_tokens=chunk_tokens)
+                    chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
     head = output_layer(model)
     if head is not None:
         def score(hidden):
@@ -325,7 +340,7 @@ def forward_response_log_probs(
     entropy = None
     if with_entropy:
         entropy = torch.zeros(rows, width, dtype=torch.float32, device=device).masked_scatter(
-            torch.nn.functional.pad(mask, (0, width - used)), ent.detach().float())
+            torch.nn.functional.pad(mask, (0, width - used)), ent.float() if entropy_grad else ent.detach().float())
     return log_probs, entropy
 
 
@@ -340,6 +355,7 @@ def compute_log_probs(
     micro_batches: list[torch.Tensor] | None = None,
     padding_free: bool = False,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of ``batch``'s responses, micro-batch by micro-batch.
 
@@ -347,7 +363,7 @@ def compute_log_probs(
     ``batch.response_ids``. The micro-batches are ``micro_batch_size`` consecutive rows, or
     ``micro_batches`` (positions into ``rows``, each row once: a token-budget plan). Run it
     under ``torch.no_grad()`` for old-policy and reference log-probs; with grad enabled the
-    results stay differentiable.
+    results stay differentiable (the entropies only with ``entropy_grad``).
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
@@ -371,6 +387,7 @@ def compute_log_probs(
             with_entropy=with_entropy,
             padding_free=padding_free,
             chunk_tokens=chunk_tokens,
+            entropy_grad=entropy_grad,
         )
         order.append(part)
         log_probs.append(lp.to(out_device))

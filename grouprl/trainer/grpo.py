@@ -32,6 +32,8 @@ from grouprl.config.rollout_correction import resolve_verl_correction
 from grouprl.rewards import RewardResult
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
+from grouprl.trainer.entropy_control import STATE_KEY as ENTROPY_STATE
+from grouprl.trainer.entropy_control import EntropyControl
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.parallel import full_named_parameters, mark
@@ -108,13 +110,15 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
 
 
 def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
-              algorithm, actor: ActorConfig, loss_options: dict, bypass=None):
+              algorithm, actor: ActorConfig, loss_options: dict, bypass=None,
+              entropy_control: EntropyControl | None = None):
     """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
     ``algorithm`` and ``worker.actor`` config sections and the policy loss's resolved options
-    bound): the policy loss, plus the KL term when it is a loss. Reports ``pg_loss`` and
-    ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted means.
-    ``bypass`` (verl's bypass mode, a ``VerlRolloutCorrection``): the loss against the sampler's
-    log-probs, corrected per micro-batch."""
+    bound): the policy loss, plus the KL term when it is a loss, less ``entropy_control``'s
+    applied coefficient times the token-mean entropy (``algorithms.entropy_bonus``). Reports
+    ``pg_loss`` and ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted
+    means. ``bypass`` (verl's bypass mode, a ``VerlRolloutCorrection``): the loss against the
+    sampler's log-probs, corrected per micro-batch."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
     options = {**loss_options, **norms.as_options()}
     if bypass is not None:
@@ -132,7 +136,7 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
     if entropy is not None:
-        metrics.mean("actor/entropy", _masked_mean(entropy, mb.loss_mask), tokens)
+        metrics.mean("actor/entropy", _masked_mean(entropy.detach(), mb.loss_mask), tokens)
     reported = {"pg_loss": pg_loss.detach()}
     loss = pg_loss
     if algorithm.kl_coef > 0 and algorithm.use_kl_loss:
@@ -141,6 +145,15 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
         loss = loss + algorithm.kl_coef * kl_loss
         reported["kl_loss"] = kl_loss.detach()
         metrics.mean("actor/kl", _masked_mean(kl.detach(), mb.loss_mask), tokens)
+    if entropy_control is not None and entropy_control.enabled:
+        coef = entropy_control.applied()
+        if coef:
+            # refused rather than dropped: a bonus without gradient would train nothing, silently
+            if entropy is None or (log_prob.requires_grad and not entropy.requires_grad):
+                raise RuntimeError("worker.actor.entropy_coeff applies, but the log-prob function returned an "
+                                   "entropy without gradient (compute_log_probs(..., entropy_grad=True))")
+            loss = loss - coef * algorithms.entropy_bonus(entropy, mb.loss_mask, num_tokens=norms.num_tokens)
+        entropy_control.observe(entropy, mb.loss_mask)
     return loss, reported
 
 
@@ -336,6 +349,7 @@ class GRPOTrainer(TrainingLoop):
             self.teacher = Teacher.load(config.algorithm.teacher, student_processor=self.processor,
                                         frozen_dtype=self.precision.frozen_dtype, device=self.accelerator.device)
 
+        self.entropy_control = EntropyControl(actor.entropy_coeff, actor.entropy_control, accelerator=accelerator)
         self.optimizer = build_optimizer(self.model, actor)
         self.scheduler = build_scheduler(self.optimizer, actor, self.total_steps)
         self.update_settings = UpdateSettings(
@@ -422,6 +436,7 @@ class GRPOTrainer(TrainingLoop):
 
     def on_resume(self) -> None:
         self._sync_rollout_weights()
+        self.entropy_control.load(self.state.extra.get(ENTROPY_STATE))
 
     def run_info_extras(self) -> dict:
         return {"strategy": self.config.worker.actor.strategy,
@@ -499,7 +514,7 @@ class GRPOTrainer(TrainingLoop):
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
         loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor, loss_options=self.loss_options,
-                                    bypass=self.bypass)
+                                    bypass=self.bypass, entropy_control=self.entropy_control)
         sleeping = self.engine.supports_sleep and not self.prefetcher.running
         if sleeping:
             self.engine.sleep()
@@ -507,7 +522,10 @@ class GRPOTrainer(TrainingLoop):
         mark("update")
         self.state.optimizer_steps += run_update(
             self.model, self.optimizer, batch, log_prob_fn=self._log_prob_fn, loss_fn=loss_fn,
-            accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics)
+            accelerator=self.accelerator, precision=self.precision, settings=settings, metrics=metrics,
+            on_step_end=lambda: self.entropy_control.step_end(metrics))
+        if self.entropy_control.enabled:  # saved with the step's checkpoint
+            self.state.extra[ENTROPY_STATE] = self.entropy_control.state()
         self.scheduler.step()
         metrics.max("timing/update_s", time.perf_counter() - t_update)
 
@@ -753,7 +771,9 @@ class GRPOTrainer(TrainingLoop):
         actor = self.config.worker.actor
         return compute_log_probs(model, batch, micro_batch_size=len(batch),
                                  temperature=self.config.worker.rollout.temperature, with_entropy=True,
-                                 padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens)
+                                 padding_free=actor.padding_free, chunk_tokens=actor.log_prob_chunk_tokens,
+                                 # the entropy's backward costs memory and time: only when the bonus applies now
+                                 entropy_grad=self.entropy_control.applied() != 0)
 
     def _experience_micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The no-grad forwards' micro-batches: fixed rows, or (dynamic_batching) a token budget."""

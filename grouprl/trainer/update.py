@@ -110,6 +110,7 @@ def run_update(
     settings: UpdateSettings,
     metrics: StepMetrics,
     prefix: str = "actor",
+    on_step_end: Callable[[], None] | None = None,
 ) -> int:
     """Train ``model`` on ``batch``; returns the number of optimizer steps taken.
 
@@ -129,6 +130,8 @@ def run_update(
     and processes (its true value) and averaged over optimizer steps; ``grad_norm``;
     ``nonfinite_grad_steps``, optimizer steps skipped because the gradient norm was not
     finite (the gradients are dropped and the weights left as they were).
+    ``on_step_end`` is called after each optimizer step, taken or skipped, on every process
+    together (the entropy controller's update, ``trainer.entropy_control``).
     """
     world = accelerator.num_processes
     check_same_rows(len(batch), accelerator)
@@ -172,6 +175,8 @@ def run_update(
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
             metrics.mean(f"{prefix}/grad_norm", grad_norm if finite else math.nan, 1.0 if finite else 0.0)
+            if on_step_end is not None:
+                on_step_end()
     finally:
         model.eval()
     # the norm is global, so every process skipped the same steps: a mean keeps the count

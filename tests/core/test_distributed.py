@@ -38,6 +38,11 @@ def test_update_on_two_processes_matches_the_whole_batch_on_one(tmp_path, torchr
             assert r["kl_loss_logged"] == pytest.approx(r["kl_loss_whole"], rel=1e-5), mode
         # a key only one process logs stops both with its name, instead of a size mismatch or a hang
         assert "only_on_rank_1" in result["schema_error"]
+        # the entropy bonus: the whole batch's gradient; the adaptive controller's entropy is the token mean
+        # over both processes' rows, and it moved the coefficient by one delta
+        r = result["entropy"]
+        assert r["max_abs_grad"] > 1e-3 and r["max_abs_grad_diff"] <= 1e-6 * max(1.0, r["max_abs_grad"]), r
+        assert r["last_entropy"] == pytest.approx(r["whole_entropy"], rel=1e-6) and r["coef"] == 0.75, r
 
     # dynamic batching (token budget): the processes' rows differ in length, so alone they
     # would plan different numbers of micro-batches; they take the same number, within the

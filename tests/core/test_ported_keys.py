@@ -76,19 +76,21 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     assert any("trainer.n_gpus_per_node=8" in line and "torchrun" in line for line in logged)
 
 
-def test_easyr1_before_0_3_loads_once_its_builtin_scorer_and_entropy_bonus_are_replaced():
+def test_easyr1_before_0_3_loads_once_its_builtin_scorer_is_replaced():
     with pytest.raises(ConfigError) as exc:
         load_config(EASYR1_V02)
-    msg = str(exc.value)  # both refusals in one message
-    assert "worker.actor.entropy_coeff" in msg and "worker.reward.compute_score" in msg
-    cfg = load_config(EASYR1_V02, ["worker.actor.entropy_coeff=0", "worker.reward.compute_score=null",
+    msg = str(exc.value)
+    assert "worker.reward.compute_score" in msg
+    assert "entropy_coeff" not in msg  # its entropy bonus is grouprl's worker.actor.entropy_coeff
+    cfg = load_config(EASYR1_V02, ["worker.reward.compute_score=null",
                                    "worker.reward.reward_function=math.py:compute_score"])
+    assert cfg.worker.actor.entropy_coeff == 1e-3
     assert cfg.trainer.total_epochs == 15  # total_episodes
     # the KL loss's own coefficient wins over the in-reward algorithm.kl_coef: 0.0 of that version
     assert cfg.algorithm.use_kl_loss and cfg.algorithm.kl_coef == 1e-2 and cfg.algorithm.kl_penalty == "low_var_kl"
     # reward_type: function (one response a call, that version's only kind) is a key grouprl reads
     assert cfg.worker.reward.reward_type == "function"
-    notes = _notes(EASYR1_V02, ["worker.actor.entropy_coeff=0", "worker.reward.compute_score=null"])
+    notes = _notes(EASYR1_V02, ["worker.reward.compute_score=null"])
     assert {"worker.actor.ulysses_sequence_parallel_size", "trainer.total_episodes",
             "trainer.remove_previous_ckpt"} <= _noted_keys(notes)
     assert "worker.reward.reward_type" not in _noted_keys(notes)

@@ -67,6 +67,7 @@ def main() -> None:
 
     from grouprl.config import config_from_dict
     from grouprl.rollout.logprobs import compute_log_probs
+    from grouprl.trainer.entropy_control import EntropyControl
     from grouprl.trainer.grpo import grpo_loss
     from grouprl.trainer.metrics import StepMetrics
     from grouprl.trainer.micro_batches import plan_micro_batches, row_token_counts
@@ -81,19 +82,31 @@ def main() -> None:
     half = torch.arange(len(batch)).tensor_split(world)[rank]
     result: dict = {"world_size": world, "rank": rank, "modes": {}}
 
-    def log_prob_fn(model, mb):
-        return compute_log_probs(model, mb, micro_batch_size=len(mb), temperature=1.0, with_entropy=True)
+    def log_prob_fn(model, mb, entropy_grad=False):
+        return compute_log_probs(model, mb, micro_batch_size=len(mb), temperature=1.0, with_entropy=True,
+                                 entropy_grad=entropy_grad)
 
-    def check(mode: str, batch, rows, settings: UpdateSettings) -> tuple[dict, list[int]]:
-        """run_update on this process's ``rows`` against the oracle; (measures, tokens of each micro-batch taken)."""
-        cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"}})
-        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor)
+    def check(mode: str, batch, rows, settings: UpdateSettings, actor: dict | None = None,
+              controls: list | None = None) -> tuple[dict, list[int]]:
+        """run_update on this process's ``rows`` against the oracle; (measures, tokens of each micro-batch taken).
+        ``actor``: worker.actor keys (an entropy bonus); ``controls``: gets the (oracle's, run's) EntropyControl."""
+        cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"},
+                                "worker": {"actor": actor or {}}})
+        a = cfg.worker.actor
+        oracle_control, control = (EntropyControl(a.entropy_coeff, a.entropy_control, accelerator=accelerator)
+                                   for _ in range(2))
+        for c in (oracle_control, control):
+            c.last_entropy = 0.0  # the adaptive gate open from the start (target above 0)
+        (controls if controls is not None else []).extend([oracle_control, control])
+        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, entropy_control=control)
+        bonus = control.applied() != 0
 
         # the oracle: the whole batch in one piece, one process, no wrapper
         oracle = copy.deepcopy(base)
-        lp, ent = log_prob_fn(oracle, batch)
+        lp, ent = log_prob_fn(oracle, batch, bonus)
+        loss_fn_whole = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, entropy_control=oracle_control)
         whole = Normalisers(num_tokens=float(batch.loss_mask.sum()), num_seqs=float(len(batch)), norm_len=7.0)
-        loss, parts = loss_fn(batch, lp, ent, whole, StepMetrics())
+        loss, parts = loss_fn_whole(batch, lp, ent, whole, StepMetrics())
         loss.backward()
         expected = {name: p.grad for name, p in oracle.named_parameters()}
 
@@ -104,11 +117,11 @@ def main() -> None:
 
         def counting_log_prob_fn(m, mb):
             forwards.append(int(row_token_counts(mb).sum()))
-            return log_prob_fn(m, mb)
+            return log_prob_fn(m, mb, bonus)
 
         run_update(model, optimizer, batch.select(rows), log_prob_fn=counting_log_prob_fn, loss_fn=loss_fn,
                    accelerator=accelerator, precision=precision_policy("float32"), settings=settings,
-                   metrics=metrics)
+                   metrics=metrics, on_step_end=lambda: control.step_end(metrics))
         (seen,) = optimizer.seen
         names = {id(p): name for name, p in accelerator.unwrap_model(model).named_parameters()}
         got = {names[i]: g for i, g in seen.items()}
@@ -145,6 +158,16 @@ def main() -> None:
         measured, taken = check(mode, uneven, half, dynamic)
         result["dynamic"]["modes"][mode] = {**measured, "micro_batches_taken": len(taken),
                                             "micro_batch_tokens": taken}
+
+    # the adaptive entropy bonus: the gradient is still the whole batch's, and the controller measures the
+    # token mean of the entropy over both processes' rows
+    controls: list = []
+    entropy_actor = {"entropy_coeff": 0.5, "entropy_control": {"adaptive": True, "target": 100.0, "delta": 0.25}}
+    measured, _ = check("seq-mean-token-mean", uneven, half, fixed, actor=entropy_actor, controls=controls)
+    oracle_control, control = controls
+    _, ent = log_prob_fn(base, uneven)
+    result["entropy"] = {**measured, "coef": control.coef, "last_entropy": control.last_entropy,
+                         "whole_entropy": float(ent.sum() / uneven.loss_mask.sum())}
 
     # a metric one process logs and the other does not is an error naming it, not a hang
     metrics = StepMetrics()
