@@ -21,6 +21,7 @@ from grouprl.config import ConfigError, EntropyControlConfig, config_from_dict, 
 from grouprl.models.inputs import forward_kwargs
 from grouprl.rollout.logprobs import compute_log_probs, forward_response_log_probs, score_positions
 from grouprl.trainer.entropy_control import EntropyControl
+from grouprl.config.algorithm_options import resolve_options
 from grouprl.trainer.grpo import GRPOTrainer, grpo_loss
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.precision import precision_policy
@@ -168,7 +169,8 @@ def _update_grads(model, batch, coef: float, micro: int, *, padding_free: bool =
     cfg = config_from_dict({"algorithm": {"loss_agg_mode": "seq-mean-token-mean"},
                             "worker": {"actor": {"entropy_coeff": coef}}})
     control = EntropyControl(coef, cfg.worker.actor.entropy_control)
-    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor, entropy_control=control)
+    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor,
+                                loss_options=resolve_options(cfg, "policy_loss"), entropy_control=control)
 
     def log_prob_fn(m, mb):
         return compute_log_probs(m, mb, micro_batch_size=len(mb), with_entropy=True, chunk_tokens=2,

@@ -182,6 +182,7 @@ def trained(tiny_text_lm):
 def _update(trained, mode: str, **settings):
     """Gradients each optimizer step saw, tokens of each micro-batch, and the metrics of one run_update."""
     from grouprl.config import config_from_dict
+    from grouprl.config.algorithm_options import resolve_options
     from grouprl.rollout.logprobs import compute_log_probs
     from grouprl.trainer.grpo import grpo_loss
     from grouprl.trainer.metrics import StepMetrics
@@ -189,7 +190,8 @@ def _update(trained, mode: str, **settings):
     from grouprl.trainer.update import UpdateSettings, run_update
 
     cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"}})
-    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor)
+    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor,
+                                loss_options=resolve_options(cfg, "policy_loss"))
     tokens: list[int] = []
 
     def log_prob_fn(model, mb):

@@ -66,6 +66,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from grouprl.config import config_from_dict
+    from grouprl.config.algorithm_options import resolve_options
     from grouprl.rollout.logprobs import compute_log_probs
     from grouprl.trainer.entropy_control import EntropyControl
     from grouprl.trainer.grpo import grpo_loss
@@ -93,18 +94,21 @@ def main() -> None:
         cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"},
                                 "worker": {"actor": actor or {}}})
         a = cfg.worker.actor
+        loss_options = resolve_options(cfg, "policy_loss")
         oracle_control, control = (EntropyControl(a.entropy_coeff, a.entropy_control, accelerator=accelerator)
                                    for _ in range(2))
         for c in (oracle_control, control):
             c.last_entropy = 0.0  # the adaptive gate open from the start (target above 0)
         (controls if controls is not None else []).extend([oracle_control, control])
-        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, entropy_control=control)
+        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, loss_options=loss_options,
+                                    entropy_control=control)
         bonus = control.applied() != 0
 
         # the oracle: the whole batch in one piece, one process, no wrapper
         oracle = copy.deepcopy(base)
         lp, ent = log_prob_fn(oracle, batch, bonus)
-        loss_fn_whole = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, entropy_control=oracle_control)
+        loss_fn_whole = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, loss_options=loss_options,
+                                          entropy_control=oracle_control)
         whole = Normalisers(num_tokens=float(batch.loss_mask.sum()), num_seqs=float(len(batch)), norm_len=7.0)
         loss, parts = loss_fn_whole(batch, lp, ent, whole, StepMetrics())
         loss.backward()
