@@ -5,14 +5,16 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 
 - ``ADVANTAGE_ESTIMATORS`` / ``compute_advantages``: grpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline, remax, grpo_passk;
-- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo;
+- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo, geo_mean (GMPO);
 - ``LOSS_AGG_MODES`` / ``aggregate_loss``: token-mean, seq-mean-token-sum,
   seq-mean-token-mean, seq-mean-token-sum-norm;
-- ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
+- ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl); ``unbiased_kl_penalty``
+  weighs one by the importance ratio (DeepSeek-V3.2's unbiased estimate).
 
 ``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
-``rollout_mismatch_metrics`` gives the mismatch statistics to log.
+``rollout_mismatch_metrics`` gives the mismatch statistics to log. ``off_policy_sequence_mask``
+(DeepSeek-V3.2) gives token weights that drop negative-advantage responses the policy has drifted from.
 
 Group ids may be an integer tensor, a list or numpy array of ints, or strings (verl's uids);
 ``dense_group_index`` turns any of them into dense long group numbers.
@@ -38,7 +40,8 @@ from grouprl.algorithms.filtering import (
     overlong_penalty,
     reward_std_per_group,
 )
-from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator, unbiased_kl_penalty
+from grouprl.algorithms.off_policy_masking import off_policy_sequence_mask
 from grouprl.algorithms.policy_losses import (
     POLICY_LOSSES,
     PolicyLossTerms,
@@ -71,6 +74,7 @@ __all__ = [
     "kl_penalty",
     "mask_truncated",
     "masked_whiten",
+    "off_policy_sequence_mask",
     "overlong_penalty",
     "register_advantage_estimator",
     "register_kl_estimator",
@@ -79,4 +83,5 @@ __all__ = [
     "reward_std_per_group",
     "rollout_importance_weights",
     "rollout_mismatch_metrics",
+    "unbiased_kl_penalty",
 ]

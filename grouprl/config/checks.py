@@ -44,6 +44,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"config key 'algorithm.adv_std_level': batch is for adv_estimator grpo; "
                           f"got {algo.adv_estimator!r}")
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
+    _check_losses_options(config)
     _positive("worker.rollout.n", rollout.n)
     if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:
         raise ConfigError(f"config key 'worker.rollout.n' is {rollout.n}, but algorithm.adv_estimator "
@@ -115,6 +116,19 @@ def validate(config: Config) -> None:
     if config.trainer.resume not in (None, "auto") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"config key 'trainer.resume': no checkpoint at {config.trainer.resume}")
     _check_loggers(config)
+
+
+def _check_losses_options(config: Config) -> None:
+    """GMPO's clip range, off-policy sequence masking's threshold, and the unbiased KL's preconditions."""
+    algo, gmpo = config.algorithm, config.worker.actor.gmpo
+    _positive("worker.actor.gmpo.clip_ratio_low", gmpo.clip_ratio_low)
+    _positive("worker.actor.gmpo.clip_ratio_high", gmpo.clip_ratio_high)
+    if algo.off_policy_sequence_masking.delta is not None:
+        _positive("algorithm.off_policy_sequence_masking.delta", algo.off_policy_sequence_masking.delta)
+    if algo.unbiased_kl and not (algo.use_kl_loss and algo.kl_coef > 0):
+        raise ConfigError("config key 'algorithm.unbiased_kl' weighs the KL loss term, and this run has none: "
+                          "it needs 'algorithm.use_kl_loss: true' and 'algorithm.kl_coef' > 0 "
+                          f"(got use_kl_loss {algo.use_kl_loss}, kl_coef {algo.kl_coef})")
 
 
 def _check_loggers(config: Config) -> None:

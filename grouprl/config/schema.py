@@ -81,6 +81,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class OffPolicySequenceMaskingConfig:
+    """DeepSeek-V3.2's off-policy sequence masking (eq. 9): a negative-advantage response is left out of
+    the policy loss when its mean log-ratio of sampler to trained policy exceeds ``delta``; null = off."""
+
+    delta: float | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     # What GRPO divides (R - group mean) by: group (the group's reward std, GRPO), batch (the std of
@@ -113,6 +121,10 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    off_policy_sequence_masking: OffPolicySequenceMaskingConfig = field(
+        default_factory=OffPolicySequenceMaskingConfig)
+    # DeepSeek-V3.2's unbiased KL: the KL loss term per token times exp(log pi_theta - log pi_old)
+    unbiased_kl: bool = False
 
     @property
     def mean_filter(self) -> tuple[str, float, float] | None:
@@ -191,6 +203,14 @@ class SAPOConfig:
 
 
 @dataclass
+class GMPOConfig:
+    """GMPO's (geo_mean's) clip range in log space: token log-ratios within [-low, high]; the paper's 0.4 / 0.4."""
+
+    clip_ratio_low: float = 0.4
+    clip_ratio_high: float = 0.4
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -220,6 +240,7 @@ class ActorConfig:
     gspo: GSPOConfig = field(default_factory=GSPOConfig)
     cispo: CISPOConfig = field(default_factory=CISPOConfig)
     sapo: SAPOConfig = field(default_factory=SAPOConfig)
+    gmpo: GMPOConfig = field(default_factory=GMPOConfig)
 
 
 @dataclass

@@ -65,6 +65,11 @@ TRL_NAMES: tuple[TRLName, ...] = (
     TRLName("sapo_temperature_pos", "worker.actor.sapo.tau_pos"),
     TRLName("sapo_temperature_neg", "worker.actor.sapo.tau_neg"),
     TRLName("mask_truncated_completions", "algorithm.mask_truncated_completions"),
+    TRLName("off_policy_mask_threshold", "algorithm.off_policy_sequence_masking.delta",
+            differs="the sampler is the engine's log-probs when the run has them, else the old policy's, as TRL"),
+    TRLName("use_bias_correction_kl", "algorithm.unbiased_kl",
+            differs="TRL's default is true, grouprl's false; the ratio is per token (TRL's follows "
+                    "`importance_sampling_level`), the KL is `algorithm.kl_penalty` (TRL's k3, unclipped)"),
     TRLName("reward_weights", "worker.reward.functions", "each function's weight sits with it: "
             "worker.reward.functions[i].weight"),
     # ---------------------------------------------------------------- TrainingArguments

@@ -106,6 +106,8 @@ def policy_loss_options(name: str, actor: ActorConfig) -> dict:
     """Each policy loss's own clip range (and SAPO's temperatures) from the actor config."""
     if name in ("gspo", "gspo_token"):
         return {"clip_ratio_low": actor.gspo.clip_ratio_low, "clip_ratio_high": actor.gspo.clip_ratio_high}
+    if name == "geo_mean":
+        return {"clip_ratio_low": actor.gmpo.clip_ratio_low, "clip_ratio_high": actor.gmpo.clip_ratio_high}
     if name == "cispo":
         return {"clip_ratio_low": actor.cispo.clip_ratio_low, "clip_ratio_high": actor.cispo.clip_ratio_high}
     if name == "sapo":
@@ -123,10 +125,11 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     KL term when it is a loss. Reports ``pg_loss`` and ``kl_loss``; records clip
     fractions, ratio, entropy and KL as token-weighted means."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
+    tokens = float(mb.loss_mask.sum())
+    weights = off_policy_masked_weights(mb, log_prob, old, algorithm.off_policy_sequence_masking.delta, metrics)
     pg_loss, pg_metrics = algorithms.compute_policy_loss(
         algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
-        token_weights=mb.token_weights, **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
-    tokens = float(mb.loss_mask.sum())
+        token_weights=weights, **policy_loss_options(algorithm.policy_loss, actor), **norms.as_options())
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
     if entropy is not None:
@@ -134,12 +137,35 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     reported = {"pg_loss": pg_loss.detach()}
     loss = pg_loss
     if algorithm.kl_coef > 0 and algorithm.use_kl_loss:
-        kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algorithm.kl_penalty, response_mask=mb.loss_mask)
+        if algorithm.unbiased_kl:
+            kl = algorithms.unbiased_kl_penalty(log_prob, mb.ref_log_probs, old, algorithm.kl_penalty,
+                                                response_mask=mb.loss_mask)
+        else:
+            kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algorithm.kl_penalty, response_mask=mb.loss_mask)
         kl_loss = algorithms.aggregate_loss(kl, mb.loss_mask, algorithm.loss_agg_mode, **norms.as_options())
         loss = loss + algorithm.kl_coef * kl_loss
         reported["kl_loss"] = kl_loss.detach()
         metrics.mean("actor/kl", _masked_mean(kl.detach(), mb.loss_mask), tokens)
     return loss, reported
+
+
+def off_policy_masked_weights(mb: RolloutBatch, log_prob: torch.Tensor, old: torch.Tensor, delta: float | None,
+                              metrics: StepMetrics) -> torch.Tensor | None:
+    """The micro-batch's token weights with off-policy sequence masking applied (``delta`` None: unchanged).
+
+    The sampler's log-probs are the engine's where the run has them (a row a transform rewrote was
+    never sampled: the old policy's for it), else the old policy's; the rollout-correction weights,
+    if any, are multiplied by the mask. Logs ``actor/off_policy_masked_frac``, the fraction of
+    valid tokens whose loss is dropped (token-weighted; with one advantage per response, the
+    responses dropped weighted by their length)."""
+    if delta is None:
+        return mb.token_weights
+    sampler = old
+    if mb.rollout_log_probs is not None:
+        sampler = torch.where(mb.edited.unsqueeze(-1), old, mb.rollout_log_probs.to(old.dtype))
+    mask = algorithms.off_policy_sequence_mask(mb.advantages, log_prob, sampler, mb.loss_mask, delta=delta)
+    metrics.mean("actor/off_policy_masked_frac", 1.0 - _masked_mean(mask, mb.loss_mask), float(mb.loss_mask.sum()))
+    return mask if mb.token_weights is None else mb.token_weights * mask
 
 
 def _turn_lengths(batch: RolloutBatch) -> torch.Tensor:
@@ -593,7 +619,10 @@ class GRPOTrainer(TrainingLoop):
             top_k=None if validation or r.top_k <= 0 else r.top_k,
             max_new_tokens=self.config.data.max_response_length,
             seed=seed,
-            return_log_probs=(self.config.trainer.log_completions or self.correct_rollout) and not validation,
+            # off-policy sequence masking compares the sampler's log-probs with the trained policy's
+            return_log_probs=(self.config.trainer.log_completions or self.correct_rollout
+                              or self.config.algorithm.off_policy_sequence_masking.delta is not None)
+            and not validation,
         )
 
     def _transform(self, batch: RolloutBatch, transformed: Transformed) -> tuple[RolloutBatch, Transformed]:
