@@ -164,7 +164,9 @@ def off_policy_masked_weights(mb: RolloutBatch, log_prob: torch.Tensor, old: tor
     if mb.rollout_log_probs is not None:
         sampler = torch.where(mb.edited.unsqueeze(-1), old, mb.rollout_log_probs.to(old.dtype))
     mask = algorithms.off_policy_sequence_mask(mb.advantages, log_prob, sampler, mb.loss_mask, delta=delta)
-    metrics.mean("actor/off_policy_masked_frac", 1.0 - _masked_mean(mask, mb.loss_mask), float(mb.loss_mask.sum()))
+    tokens = float((mb.loss_mask != 0).sum())
+    dropped = float(((mask == 0) & (mb.loss_mask != 0)).sum())
+    metrics.mean("actor/off_policy_masked_frac", dropped / tokens if tokens else 0.0, tokens)
     return mask if mb.token_weights is None else mb.token_weights * mask
 
 
