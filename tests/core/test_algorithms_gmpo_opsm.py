@@ -10,6 +10,7 @@ and cannot be imported: its ``compute_policy_loss_geo_mean`` is transcribed belo
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -17,14 +18,17 @@ import pytest
 import torch
 
 from grouprl import algorithms
-from grouprl.config import (ActorConfig, AlgorithmConfig, ConfigError, OffPolicySequenceMaskingConfig,
+from grouprl.config import (ActorConfig, AlgorithmConfig, ConfigError, GMPOConfig, OffPolicySequenceMaskingConfig,
                             config_from_dict)
 from grouprl.trainer.grpo import GRPOTrainer, grpo_loss
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.update import Normalisers
 
-trl = pytest.importorskip("trl")
-from trl.experimental.gmpo import GMPOTrainer  # noqa: E402
+import trl  # noqa: E402  (a dev dependency: pyproject's dev extra)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # TRL marks its experimental package as such on import
+    from trl.experimental.gmpo import GMPOTrainer
 
 B, R = 8, 7
 LENGTHS = [7, 5, 1, 6, 0, 7, 3, 4]  # row 4 has no valid token
@@ -318,7 +322,8 @@ def test_grpo_loss_matches_trl_grpo(delta, unbiased):
 
 
 def test_masking_reads_the_old_log_probs_without_the_engines_and_keeps_rollout_weights():
-    log_prob, old, ref, adv, mask = tensors(4)
+    log_prob, _, ref, adv, mask = tensors(4)
+    old = log_prob.detach()  # the trained policy is the old one: only the engine's log-probs can differ
     adv = -adv.abs() - 0.1  # every response negative: masking depends on the divergence alone
     algorithm = AlgorithmConfig(off_policy_sequence_masking=OffPolicySequenceMaskingConfig(delta=0.05))
     norms = Normalisers(num_tokens=float(mask.sum()), num_seqs=float(B), norm_len=float(R))
@@ -345,7 +350,19 @@ def test_masking_reads_the_old_log_probs_without_the_engines_and_keeps_rollout_w
     edited = torch.zeros(B, dtype=torch.bool)
     edited[-3:] = True  # rewritten rows were never sampled: their sampler is the old policy
     close(pg_loss(drift, edited=edited), expected(torch.where(edited[:, None], old, drift)))
+    assert not torch.allclose(expected(drift), expected(torch.where(edited[:, None], old, drift)))
     assert not torch.allclose(pg_loss(drift), pg_loss(None))
+
+
+def test_grpo_loss_takes_gmpos_own_clip_range():
+    log_prob, old, ref, adv, mask = tensors(6)
+    algorithm = AlgorithmConfig(policy_loss="geo_mean", loss_agg_mode="seq-mean-token-mean")
+    actor = ActorConfig(gmpo=GMPOConfig(clip_ratio_low=0.1, clip_ratio_high=0.25))
+    norms = Normalisers(num_tokens=float(mask.sum()), num_seqs=float(B), norm_len=float(R))
+    loss = grpo_loss(micro_batch(log_prob, old, ref, adv, mask), log_prob, None, norms, StepMetrics(),
+                     algorithm=algorithm, actor=actor)[0]
+    close(loss, gmpo_direct(log_prob, old, adv, LENGTHS, 0.1, 0.25))
+    assert not torch.allclose(loss, gmpo_direct(log_prob, old, adv, LENGTHS, 0.4, 0.4))
 
 
 # ---------------------------------------------------------------------------- config
