@@ -252,7 +252,10 @@ def geo_mean_policy_loss(
     clip (neither peer clamps; it keeps exp finite); A_i = 0 takes the max branch, as TRL
     (verl multiplies by sign(A) = 0; the loss and its gradient are 0 either way); the token
     count is clamped to 1 where verl adds 1e-8 (the same for any response with a token); verl
-    always takes the mean over rows, ignoring ``loss_agg_mode``.
+    always takes the mean over rows, ignoring ``loss_agg_mode``; a response with no valid token
+    has A_i = 0 here (verl's too), while TRL's mean still adds -A_i for it (no gradient either way).
+    ``token_weights`` (rollout correction) scale each token's share of l_i, so seq-mean-token-mean
+    gives l_i times the mean weight; verl multiplies l_i by the weights' geometric mean.
     """
     mask = response_mask.to(log_prob.dtype)
     count = mask.sum(-1).clamp(min=1)
