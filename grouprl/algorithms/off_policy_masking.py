@@ -37,10 +37,10 @@ def off_policy_sequence_mask(
     """
     if not (delta > 0 and delta != float("inf")):
         raise ValueError(f"off-policy sequence masking needs delta > 0 and finite; got {delta}")
-    shapes = {t.shape for t in (advantages, log_prob, sampler_log_prob, response_mask)}
-    if len(shapes) != 1 or log_prob.dim() != 2:
+    inputs = (advantages, log_prob, sampler_log_prob, response_mask)
+    if len({t.shape for t in inputs}) != 1 or log_prob.dim() != 2:
         raise ValueError("advantages, log_prob, sampler_log_prob and response_mask must share one [B, R] shape; got "
-                         + ", ".join(str(tuple(t.shape)) for t in (advantages, log_prob, sampler_log_prob, response_mask)))
+                         + ", ".join(str(tuple(t.shape)) for t in inputs))
     valid = response_mask != 0
     divergence = torch.nan_to_num(sampler_log_prob - log_prob.detach(), nan=0.0)
     divergence = torch.where(valid, divergence, torch.zeros_like(divergence))
