@@ -5,14 +5,17 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 
 - ``ADVANTAGE_ESTIMATORS`` / ``compute_advantages``: grpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline, remax, grpo_passk;
-- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo, reinforce;
+- ``POLICY_LOSSES`` / ``compute_policy_loss``: vanilla, gspo, gspo_token, cispo, sapo, geo_mean (GMPO),
+  reinforce;
 - ``LOSS_AGG_MODES`` / ``aggregate_loss``: token-mean, seq-mean-token-sum,
   seq-mean-token-mean, seq-mean-token-sum-norm;
-- ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
+- ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl); ``unbiased_kl_penalty``
+  weighs one by the importance ratio (DeepSeek-V3.2's unbiased estimate).
 
 ``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
-``rollout_mismatch_metrics`` gives the mismatch statistics to log. verl's spelling of the same
+``rollout_mismatch_metrics`` gives the mismatch statistics to log. ``off_policy_sequence_mask``
+(DeepSeek-V3.2) gives token weights that drop negative-advantage responses the policy has drifted from. verl's spelling of the same
 correction: ``threshold_importance_weights`` (TIS / IcePop), ``batch_normalized_weights``,
 ``rollout_rejection_mask`` (verl's ``rollout_rs`` options) and their metrics;
 ``compute_bypass_policy_loss`` is verl's bypass mode (old log-probs := the sampler's).
@@ -53,7 +56,8 @@ from grouprl.algorithms.filtering import (
     overlong_penalty,
     reward_std_per_group,
 )
-from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator, unbiased_kl_penalty
+from grouprl.algorithms.off_policy_masking import off_policy_sequence_mask
 from grouprl.algorithms.options import NoOptions
 from grouprl.algorithms.policy_losses import (
     POLICY_LOSS_OPTIONS,
@@ -119,6 +123,7 @@ __all__ = [
     "mask_truncated",
     "masked_whiten",
     "off_policy_metrics",
+    "off_policy_sequence_mask",
     "overlong_penalty",
     "parse_is_threshold",
     "parse_rs_options",
@@ -133,4 +138,5 @@ __all__ = [
     "rollout_mismatch_metrics",
     "rollout_rejection_mask",
     "threshold_importance_weights",
+    "unbiased_kl_penalty",
 ]

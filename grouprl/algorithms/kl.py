@@ -77,3 +77,26 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str, *, response_ma
     valid = response_mask != 0
     kl = estimator(torch.where(valid, log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0))
     return torch.where(valid, kl, 0.0)
+
+
+def unbiased_kl_penalty(
+    log_prob: Tensor, ref_log_prob: Tensor, old_log_prob: Tensor, kind: str = "k3", *,
+    response_mask: Tensor | None = None,
+) -> Tensor:
+    """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556): the per-token estimate times the
+    importance ratio of the policy being trained to the one that sampled.
+
+    KL_t = r_t * KL_ESTIMATORS[kind](log_prob, ref_log_prob)_t,  r_t = exp(clamp(log_prob - old_log_prob, -20, 20))
+    The tokens were sampled from pi_old, so E_old[r k] = E_theta[k]: with r_t differentiable the
+    gradient is an unbiased estimate of the reverse KL's gradient, even on-policy (old = sg(log_prob),
+    where r_t = 1 in value but not in gradient). DeepSeek's and TRL's (``use_bias_correction_kl``)
+    estimator is k3, unclipped; grouprl's k3 clips to [-10, 10] and d to [-20, 20], and r_t is
+    always per token (TRL's follows ``importance_sampling_level``). Masked positions as in
+    ``kl_penalty``: exactly 0 with ``response_mask``, never read.
+    """
+    kl = kl_penalty(log_prob, ref_log_prob, kind, response_mask=response_mask)
+    if response_mask is not None:  # a nan there would reach the gradient through exp's backward
+        valid = response_mask != 0
+        log_prob, old_log_prob = torch.where(valid, log_prob, 0.0), torch.where(valid, old_log_prob, 0.0)
+    log_ratio = log_prob - old_log_prob
+    return kl * torch.exp(log_ratio.clamp(-20.0, 20.0))

@@ -115,6 +115,21 @@ class CISPOOptions:
 
 
 @dataclass(frozen=True)
+class GMPOOptions:
+    """GMPO's clip range in log space: token log-ratios within [-clip_ratio_low, clip_ratio_high]; the paper's
+    0.4 / 0.4 (ratios within [exp(-0.4), exp(0.4)])."""
+
+    clip_ratio_low: float = 0.4
+    clip_ratio_high: float = 0.4
+
+    def __post_init__(self):
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be > 0 and finite (a log-space bound); got {value}")
+
+
+@dataclass(frozen=True)
 class SAPOOptions:
     """SAPO's gate temperatures for positive and negative advantages."""
 
@@ -303,6 +318,54 @@ def reinforce_policy_loss(
     return PolicyLossTerms(-advantages * log_prob, ratio, never, never)
 
 
+@register_policy_loss("geo_mean", options=GMPOOptions)
+def geo_mean_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float = 0.4,
+) -> PolicyLossTerms:
+    """GMPO (geometric-mean policy optimisation, arXiv 2507.20673): one ratio per response, the
+    geometric mean of its token ratios, each clipped in log space first.
+
+    A_i = sum_t m_t A_{i,t} / sum_t m_t   (the response's advantage; per-token advantages are averaged)
+    c_t = min(d_t, clamp(d_t, -eps_low, eps_high)) if A_i > 0, else max(d_t, clamp(d_t, -eps_low, eps_high))
+    l_i = -A_i exp(sum_t m_t c_t / max(sum_t m_t, 1))
+    The clip is sign-aware and one-sided (PPO's min written in log space): a positive response's
+    token stops pulling once d_t > eps_high, a negative one's once d_t < -eps_low. The range is
+    in log space (ratios within [exp(-eps_low), exp(eps_high)]; the paper's 0.4 / 0.4). l_i is
+    broadcast over response i's tokens ([B] -> [B, R]), as ``gspo`` does, so
+    ``loss_agg_mode: seq-mean-token-mean`` gives mean_i l_i, the paper's objective (token-mean
+    weighs responses by length). ``clipped_high`` marks tokens with A_i > 0 and d_t > eps_high,
+    ``clipped_low`` those with A_i < 0 and d_t < -eps_low (TRL's GMPO metrics).
+
+    Differences from the peers, same tensors otherwise: d_t is clamped to [-20, 20] before the
+    clip (neither peer clamps; it keeps exp finite); A_i = 0 takes the max branch, as TRL
+    (verl multiplies by sign(A) = 0; the loss and its gradient are 0 either way); the token
+    count is clamped to 1 where verl adds 1e-8 (the same for any response with a token); verl
+    always takes the mean over rows, ignoring ``loss_agg_mode``; a response with no valid token
+    has A_i = 0 here (verl's too), while TRL's mean still adds -A_i for it (no gradient either way).
+    ``token_weights`` (rollout correction) scale each token's share of l_i, so seq-mean-token-mean
+    gives l_i times the mean weight; verl multiplies l_i by the weights' geometric mean.
+    """
+    mask = response_mask.to(log_prob.dtype)
+    count = mask.sum(-1).clamp(min=1)
+    seq_advantages = (_select_valid(advantages, response_mask) * mask).sum(-1) / count
+    log_ratio = clamped_log_ratio(_select_valid(log_prob, response_mask), _select_valid(old_log_prob, response_mask))
+    bounded = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    positive = (seq_advantages > 0).unsqueeze(-1)
+    clipped = torch.where(positive, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    ratio = torch.exp((clipped * mask).sum(-1) / count)
+    loss = (-seq_advantages * ratio).unsqueeze(-1).expand_as(log_prob)
+    negative = (seq_advantages < 0).unsqueeze(-1)
+    clipped_high = positive & (log_ratio > clip_ratio_high)
+    clipped_low = negative & (log_ratio < -clip_ratio_low)
+    return PolicyLossTerms(loss, ratio.detach().unsqueeze(-1).expand_as(log_prob), clipped_low, clipped_high)
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
     # Selected, not multiplied: a custom loss may leave nan in its terms at masked positions.
     mask = mask.to(torch.float64)
@@ -350,7 +413,8 @@ def compute_policy_loss(
     ``cispo``, the temperatures for ``sapo``); options not given take the class's defaults, and
     one the loss does not take raises TypeError naming the loss and its options. An option may
     be None only where its default is None: ``clip_ratio_low=None`` works for ``cispo`` (no
-    lower cap) and raises ValueError naming the loss for ``vanilla``, ``gspo`` and ``gspo_token``.
+    lower cap) and raises ValueError naming the loss for ``vanilla``, ``gspo``, ``gspo_token`` and
+    ``geo_mean``.
 
     log_prob, old_log_prob and advantages are replaced by 0 where the mask is 0 before the
     loss sees them, so nan or inf there (padding, template tokens) leave the loss, its

@@ -101,6 +101,10 @@ def resolve_options(config: Config, family: str, *, name: str | None = None) -> 
         hint_type = hints.get(option, Any)
         options[option] = value if hint_type is Any else _coerce(value, hint_type, f"{key}.{option}",
                                                                   fields[option].metadata.get("choices"))
+    try:  # the options class may check its values (a range, a relation between two)
+        cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config key '{key}': {kind} {name!r}: {exc}") from exc
     return options
 
 

@@ -47,6 +47,7 @@ def validate(config: Config) -> None:
 
     check_algorithm_options(config)
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
+    _check_losses_options(config)
     _positive("worker.rollout.n", rollout.n)
     _check_distillation(config)
     # pure distillation (a teacher, no reward) has no group to compare with: one response per prompt will do
@@ -158,6 +159,17 @@ def _check_distillation(config: Config) -> None:
                               "'algorithm.teacher'); set a reward in 'worker.reward.functions' or turn it off")
 
 
+def _check_losses_options(config: Config) -> None:
+    """Off-policy sequence masking's threshold, and the unbiased KL's preconditions."""
+    algo = config.algorithm
+    if algo.off_policy_sequence_masking.delta is not None:
+        _positive("algorithm.off_policy_sequence_masking.delta", algo.off_policy_sequence_masking.delta)
+    if algo.unbiased_kl and not (algo.use_kl_loss and algo.kl_coef > 0):
+        raise ConfigError("config key 'algorithm.unbiased_kl' weighs the KL loss term, and this run has none: "
+                          "it needs 'algorithm.use_kl_loss: true' and 'algorithm.kl_coef' > 0 "
+                          f"(got use_kl_loss {algo.use_kl_loss}, kl_coef {algo.kl_coef})")
+
+
 def _check_loggers(config: Config) -> None:
     """trainer.logger names registered loggers whose packages are installed (checked before the model
     loads, not when the logger starts); trainer.log_samples_freq is -1 or a number of steps."""
@@ -250,6 +262,10 @@ def _check_verl_rollout_correction(config: Config) -> None:
             algorithms.parse_rs_thresholds(options, verl.rollout_rs_threshold)
         except ValueError as exc:
             raise ConfigError(f"config key '{key}.rollout_rs': {exc}") from None
+    if verl.bypass_mode and config.algorithm.off_policy_sequence_masking.delta is not None:
+        raise ConfigError(f"config key 'algorithm.off_policy_sequence_masking.delta': off-policy sequence masking "
+                          f"is not supported with '{key}.bypass_mode' yet (bypass corrects in its own loss); "
+                          "use a decoupled preset, or rollout_rs for verl's rejection")
     if verl.loss_type == "reinforce":
         if not verl.bypass_mode:
             raise ConfigError(f"config key '{key}.loss_type' reinforce is bypass mode's loss; "

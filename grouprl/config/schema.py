@@ -109,6 +109,14 @@ class TeacherConfig:
 
 
 @dataclass
+class OffPolicySequenceMaskingConfig:
+    """DeepSeek-V3.2's off-policy sequence masking (eq. 9): a negative-advantage response is left out of
+    the policy loss when its mean log-ratio of sampler to trained policy exceeds ``delta``; null = off."""
+
+    delta: float | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     # What GRPO divides (R - group mean) by: group (the group's reward std, GRPO), batch (the std of
@@ -147,6 +155,10 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     force_gt_num: int = 0  # EditGRPO: per step, k prompts get one response replaced by their own reference
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    off_policy_sequence_masking: OffPolicySequenceMaskingConfig = field(
+        default_factory=OffPolicySequenceMaskingConfig)
+    # DeepSeek-V3.2's unbiased KL: the KL loss term per token times exp(log pi_theta - log pi_old)
+    unbiased_kl: bool = False
     # On-policy distillation: A = A_rewards + distill_coef * (log pi_teacher - log pi_student_old) per
     # token (grouprl.algorithms.distillation); with no reward configured, pure distillation. None: 1
     # with a teacher (a value without algorithm.teacher.model_path is refused).

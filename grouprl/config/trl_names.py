@@ -73,6 +73,11 @@ TRL_NAMES: tuple[TRLName, ...] = (
     TRLName("entropy_coef_delta", "worker.actor.entropy_control.delta"),
     TRLName("entropy_target", "worker.actor.entropy_control.target",
             differs="a step with no loss token leaves the coefficient as it is (TRL reads its entropy as 0)"),
+    TRLName("off_policy_mask_threshold", "algorithm.off_policy_sequence_masking.delta",
+            differs="the sampler is the engine's log-probs when the run has them, else the old policy's, as TRL"),
+    TRLName("use_bias_correction_kl", "algorithm.unbiased_kl",
+            differs="TRL's default is true, grouprl's false; the ratio is per token (TRL's follows "
+                    "`importance_sampling_level`), the KL is `algorithm.kl_penalty` (TRL's k3, unclipped)"),
     TRLName("reward_weights", "worker.reward.functions", "each function's weight sits with it: "
             "worker.reward.functions[i].weight"),
     # ---------------------------------------------------------------- TrainingArguments

@@ -120,6 +120,7 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     means. ``bypass`` (verl's bypass mode, a ``VerlRolloutCorrection``): the loss against the
     sampler's log-probs, corrected per micro-batch."""
     old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
+    tokens = float(mb.loss_mask.sum())
     options = {**loss_options, **norms.as_options()}
     if bypass is not None:
         pg_loss, pg_metrics, corr = algorithms.compute_bypass_policy_loss(
@@ -129,10 +130,10 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
             rollout_rs_threshold=bypass.rollout_rs_threshold, loss_agg_mode=algorithm.loss_agg_mode, **options)
         record_correction(metrics, corr)
     else:
+        weights = off_policy_masked_weights(mb, log_prob, old, algorithm.off_policy_sequence_masking.delta, metrics)
         pg_loss, pg_metrics = algorithms.compute_policy_loss(
             algorithm.policy_loss, log_prob, old, mb.advantages, mb.loss_mask, loss_agg_mode=algorithm.loss_agg_mode,
-            token_weights=mb.token_weights, **options)
-    tokens = float(mb.loss_mask.sum())
+            token_weights=weights, **options)
     for key, value in pg_metrics.items():
         metrics.mean(f"actor/{key}", value, tokens)
     if entropy is not None:
@@ -140,7 +141,11 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     reported = {"pg_loss": pg_loss.detach()}
     loss = pg_loss
     if algorithm.kl_coef > 0 and algorithm.use_kl_loss:
-        kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algorithm.kl_penalty, response_mask=mb.loss_mask)
+        if algorithm.unbiased_kl:
+            kl = algorithms.unbiased_kl_penalty(log_prob, mb.ref_log_probs, old, algorithm.kl_penalty,
+                                                response_mask=mb.loss_mask)
+        else:
+            kl = algorithms.kl_penalty(log_prob, mb.ref_log_probs, algorithm.kl_penalty, response_mask=mb.loss_mask)
         kl_loss = algorithms.aggregate_loss(kl, mb.loss_mask, algorithm.loss_agg_mode, **norms.as_options())
         loss = loss + algorithm.kl_coef * kl_loss
         reported["kl_loss"] = kl_loss.detach()
@@ -155,6 +160,27 @@ def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
             loss = loss - coef * algorithms.entropy_bonus(entropy, mb.loss_mask, num_tokens=norms.num_tokens)
         entropy_control.observe(entropy, mb.loss_mask)
     return loss, reported
+
+
+def off_policy_masked_weights(mb: RolloutBatch, log_prob: torch.Tensor, old: torch.Tensor, delta: float | None,
+                              metrics: StepMetrics) -> torch.Tensor | None:
+    """The micro-batch's token weights with off-policy sequence masking applied (``delta`` None: unchanged).
+
+    The sampler's log-probs are the engine's where the run has them (a row a transform rewrote was
+    never sampled: the old policy's for it), else the old policy's; the rollout-correction weights,
+    if any, are multiplied by the mask. Logs ``actor/off_policy_masked_frac``, the fraction of
+    valid tokens whose loss is dropped (token-weighted; with one advantage per response, the
+    responses dropped weighted by their length)."""
+    if delta is None:
+        return mb.token_weights
+    sampler = old
+    if mb.rollout_log_probs is not None:
+        sampler = torch.where(mb.edited.unsqueeze(-1), old, mb.rollout_log_probs.to(old.dtype))
+    mask = algorithms.off_policy_sequence_mask(mb.advantages, log_prob, sampler, mb.loss_mask, delta=delta)
+    tokens = float((mb.loss_mask != 0).sum())
+    dropped = float(((mask == 0) & (mb.loss_mask != 0)).sum())
+    metrics.mean("actor/off_policy_masked_frac", dropped / tokens if tokens else 0.0, tokens)
+    return mask if mb.token_weights is None else mb.token_weights * mask
 
 
 def _turn_lengths(batch: RolloutBatch) -> torch.Tensor:
@@ -643,7 +669,10 @@ class GRPOTrainer(TrainingLoop):
             top_k=None if validation or r.top_k <= 0 else r.top_k,
             max_new_tokens=self.config.data.max_response_length,
             seed=seed,
-            return_log_probs=(self.config.trainer.log_completions or self.correct_rollout) and not validation,
+            # off-policy sequence masking compares the sampler's log-probs with the trained policy's
+            return_log_probs=(self.config.trainer.log_completions or self.correct_rollout
+                              or self.config.algorithm.off_policy_sequence_masking.delta is not None)
+            and not validation,
         )
 
     def _transform(self, batch: RolloutBatch, transformed: Transformed) -> tuple[RolloutBatch, Transformed]:

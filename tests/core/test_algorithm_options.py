@@ -118,3 +118,17 @@ def test_the_documented_new_loss_runs_as_written():
     finally:
         POLICY_LOSSES.pop("scaled_pg", None)
         POLICY_LOSS_OPTIONS.pop("scaled_pg", None)
+
+
+def test_gmpo_takes_its_clip_range_from_its_options_and_checks_it():
+    assert options("policy_loss", "algorithm.policy_loss=geo_mean") == {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}
+    # the options class checks its values: GMPO's bounds are log-space widths, > 0
+    with pytest.raises(ConfigError, match="algorithm.policy_loss_options': policy loss 'geo_mean': clip_ratio_low "
+                                          "must be > 0"):
+        load_config(None, ["algorithm.policy_loss=geo_mean", "algorithm.policy_loss_options={clip_ratio_low: 0}"])
+
+
+def test_off_policy_masking_with_verls_bypass_mode_is_refused():
+    with pytest.raises(ConfigError, match="off_policy_sequence_masking.delta': .*bypass_mode"):
+        load_config(None, ["algorithm.off_policy_sequence_masking.delta=0.5",
+                           "algorithm.rollout_correction.preset=bypass_ppo_clip"])
