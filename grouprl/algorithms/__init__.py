@@ -10,6 +10,10 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
   seq-mean-token-mean, seq-mean-token-sum-norm;
 - ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
 
+Several rewards: ``MULTI_OBJECTIVE_AGGREGATIONS`` (sum_then_normalize, normalize_then_sum);
+``normalize_then_sum`` is GDPO (each reward normalised by the estimator within its group, weighted
+sum, batch renormalisation), ``per_reward_advantages`` each reward's own advantages.
+
 ``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
 ``rollout_mismatch_metrics`` gives the mismatch statistics to log.
@@ -39,6 +43,12 @@ from grouprl.algorithms.filtering import (
     reward_std_per_group,
 )
 from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
+from grouprl.algorithms.multi_reward import (
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    batch_moments,
+    normalize_then_sum,
+    per_reward_advantages,
+)
 from grouprl.algorithms.policy_losses import (
     POLICY_LOSSES,
     PolicyLossTerms,
@@ -57,11 +67,13 @@ __all__ = [
     "GROUP_RELATIVE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "PolicyLossTerms",
     "aggregate_loss",
+    "batch_moments",
     "compute_advantages",
     "compute_policy_loss",
     "dense_group_index",
@@ -71,7 +83,9 @@ __all__ = [
     "kl_penalty",
     "mask_truncated",
     "masked_whiten",
+    "normalize_then_sum",
     "overlong_penalty",
+    "per_reward_advantages",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_agg_mode",

@@ -43,6 +43,12 @@ def validate(config: Config) -> None:
     if algo.adv_std_level == "batch" and algo.adv_estimator != "grpo":
         raise ConfigError(f"config key 'algorithm.adv_std_level': batch is for adv_estimator grpo; "
                           f"got {algo.adv_estimator!r}")
+    if algo.multi_objective_aggregation == "normalize_then_sum" \
+            and algo.adv_estimator not in algorithms.GROUP_RELATIVE_ESTIMATORS:
+        raise ConfigError(f"config key 'algorithm.multi_objective_aggregation': normalize_then_sum normalises each "
+                          f"reward within its group and needs a group-relative adv_estimator "
+                          f"({', '.join(sorted(algorithms.GROUP_RELATIVE_ESTIMATORS))}); "
+                          f"{algo.adv_estimator!r} has no group baseline")
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _positive("worker.rollout.n", rollout.n)
     if rollout.n < 2 and algo.adv_estimator in algorithms.GROUP_RELATIVE_ESTIMATORS:

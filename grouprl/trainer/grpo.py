@@ -32,9 +32,10 @@ from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.transforms import RolloutTransform
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
-from grouprl.trainer.parallel import full_named_parameters, mark
+from grouprl.trainer.parallel import batch_moments, full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
+from grouprl.trainer.reward_advantages import reward_advantages
 from grouprl.trainer.reward_metrics import join_results, record_rewards
 from grouprl.trainer.task_metrics import validation_task_metrics
 from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
@@ -463,7 +464,7 @@ class GRPOTrainer(TrainingLoop):
                                        response_mask=batch.loss_mask)
             token_rewards = -algo.kl_coef * kl
             metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
-        batch.advantages = self._advantages(batch.scores, batch, token_rewards)
+        batch.advantages = self._advantages(batch.scores, batch, token_rewards, metrics)
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
@@ -667,16 +668,9 @@ class GRPOTrainer(TrainingLoop):
 
     def _batch_std(self, scores: torch.Tensor) -> float:
         """The unbiased std of the raw rewards over every process's rows (TRL's scale_rewards=batch
-        takes the whole batch too); two float64 sums over the processes."""
-        x = scores.detach().to(torch.float64)
-        if self.accelerator.num_processes == 1:
-            return float(x.std()) if x.numel() > 1 else 1.0
-        t = torch.tensor([float(x.numel()), float(x.sum())], dtype=torch.float64, device=self.accelerator.device)
-        torch.distributed.all_reduce(t)
-        n, mean = float(t[0]), float(t[1] / t[0].clamp(min=1))
-        sq = torch.tensor([float(((x - mean) ** 2).sum())], dtype=torch.float64, device=self.accelerator.device)
-        torch.distributed.all_reduce(sq)
-        return float(sq[0] / (n - 1)) ** 0.5 if n > 1 else 1.0
+        takes the whole batch too), taken as 1 below two rows."""
+        _, std, n = batch_moments(scores, self.accelerator)
+        return std if n > 1 else 1.0
 
     def _groups_to_keep(self, batch: RolloutBatch) -> torch.Tensor:
         """Online filtering's rows to keep, BoolTensor [B]: grouprl's std rule (std_g > filter_min_std), or
@@ -761,16 +755,23 @@ class GRPOTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------ advantages, metrics, records
 
-    def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards) -> torch.Tensor:
+    def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards, metrics: StepMetrics) -> torch.Tensor:
         algo = self.config.algorithm
         name = algo.adv_estimator
-        options: dict = {"response_mask": batch.loss_mask}
+        options: dict = {}
         if name == "grpo":
             options["std_level"] = algo.std_level
-            if algo.std_level == "batch":
-                options["batch_std"] = self._batch_std(scores)
         elif name == "grpo_passk":
             options["norm_by_std"] = algo.std_level != "none"
+        if name in algorithms.GROUP_RELATIVE_ESTIMATORS:  # each reward's own advantages: GDPO's, and logged
+            gdpo = reward_advantages(batch, self.rewards.weights, token_rewards, estimator=name, options=options,
+                                     aggregation=algo.multi_objective_aggregation, metrics=metrics,
+                                     batch_moments_fn=functools.partial(batch_moments, accelerator=self.accelerator))
+            if gdpo is not None:
+                return gdpo
+        options["response_mask"] = batch.loss_mask
+        if name == "grpo" and algo.std_level == "batch":
+            options["batch_std"] = self._batch_std(scores)
         if name == "reinforce_plus_plus":
             options["gamma"] = algo.gamma
             if token_rewards is not None:
