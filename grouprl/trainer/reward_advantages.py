@@ -31,7 +31,7 @@ def reward_matrix(batch: RolloutBatch, weights: Mapping[str, float],
         keys.append(key)
         columns.append([math.nan if v is None else float(v) for v in values])
         out_weights.append(float(weight))
-    scores = torch.tensor(columns, dtype=torch.float64).reshape(len(keys), len(batch)).T
+    scores = torch.tensor(columns, dtype=torch.float64).reshape(len(keys), batch.loss_mask.shape[0]).T
     unscored = torch.isnan(scores).all(1)
     extra = []
     if "overlong" in batch.reward_components and "overlong" not in weights:

@@ -237,13 +237,15 @@ def test_trainer_passes_the_configured_std_level():
 
     from grouprl.config import load_config
     from grouprl.trainer.grpo import GRPOTrainer
+    from grouprl.trainer.metrics import StepMetrics
 
     def advantages(*overrides):
         trainer = SimpleNamespace(config=load_config(None, list(overrides)),
-                                  accelerator=SimpleNamespace(num_processes=1))
+                                  accelerator=SimpleNamespace(num_processes=1), rewards=SimpleNamespace(weights={"r": 1.0}))
         trainer._batch_std = GRPOTrainer._batch_std.__get__(trainer)
-        batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS)
-        return GRPOTrainer._advantages(trainer, SCORES, batch, None)[:, 0]
+        batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS, scores=SCORES,
+                                reward_components={"r": SCORES.tolist()})
+        return GRPOTrainer._advantages(trainer, SCORES, batch, None, StepMetrics())[:, 0]
 
     close(advantages("algorithm.adv_std_level=batch"),
           compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))
