@@ -12,6 +12,10 @@ Each family has a registry (name -> function) and a dispatcher that selects by n
 - ``KL_ESTIMATORS`` / ``kl_penalty``: k1 (kl), abs, k2 (mse), k3 (low_var_kl); ``unbiased_kl_penalty``
   weighs one by the importance ratio (DeepSeek-V3.2's unbiased estimate).
 
+Several rewards: ``MULTI_OBJECTIVE_AGGREGATIONS`` (sum_then_normalize, normalize_then_sum);
+``normalize_then_sum`` is GDPO (each reward normalised by the estimator within its group, weighted
+sum, batch renormalisation), ``per_reward_advantages`` each reward's own advantages.
+
 ``rollout_importance_weights`` (token or sequence level, truncate or mask) reweights tokens
 sampled by a mismatched rollout engine (``compute_policy_loss(..., token_weights=w)``);
 ``rollout_mismatch_metrics`` gives the mismatch statistics to log. ``off_policy_sequence_mask``
@@ -57,6 +61,12 @@ from grouprl.algorithms.filtering import (
     reward_std_per_group,
 )
 from grouprl.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator, unbiased_kl_penalty
+from grouprl.algorithms.multi_reward import (
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    batch_moments,
+    normalize_then_sum,
+    per_reward_advantages,
+)
 from grouprl.algorithms.off_policy_masking import off_policy_sequence_mask
 from grouprl.algorithms.options import NoOptions
 from grouprl.algorithms.policy_losses import (
@@ -100,6 +110,7 @@ __all__ = [
     "GROUP_RELATIVE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
@@ -108,6 +119,7 @@ __all__ = [
     "adaptive_entropy_coef",
     "aggregate_loss",
     "applied_entropy_coef",
+    "batch_moments",
     "batch_normalized_weights",
     "compute_advantages",
     "compute_bypass_policy_loss",
@@ -122,12 +134,14 @@ __all__ = [
     "kl_penalty",
     "mask_truncated",
     "masked_whiten",
+    "normalize_then_sum",
     "off_policy_metrics",
     "off_policy_sequence_mask",
     "overlong_penalty",
     "parse_is_threshold",
     "parse_rs_options",
     "parse_rs_thresholds",
+    "per_reward_advantages",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_agg_mode",

@@ -46,6 +46,12 @@ def validate(config: Config) -> None:
     from grouprl.config.algorithm_options import check_algorithm_options
 
     check_algorithm_options(config)
+    if algo.multi_objective_aggregation == "normalize_then_sum" \
+            and algo.adv_estimator not in algorithms.GROUP_RELATIVE_ESTIMATORS:
+        raise ConfigError(f"config key 'algorithm.multi_objective_aggregation': normalize_then_sum normalises each "
+                          f"reward within its group and needs a group-relative adv_estimator "
+                          f"({', '.join(sorted(algorithms.GROUP_RELATIVE_ESTIMATORS))}); "
+                          f"{algo.adv_estimator!r} has no group baseline")
     _positive("algorithm.kl_coef", algo.kl_coef, allow_zero=True)
     _check_losses_options(config)
     _positive("worker.rollout.n", rollout.n)

@@ -157,6 +157,19 @@ def _choice_refuse(table: dict) -> Callable[[Any, dict], str | None]:
     return lambda value, _: None if value in table else f"accepts one of {', '.join(table)}; got {value!r}"
 
 
+def _gdpo(value: Any, _: dict) -> dict[str, Any]:
+    if value != "gdpo":
+        return {"algorithm.adv_estimator": value}
+    return {"algorithm.adv_estimator": "grpo", "algorithm.multi_objective_aggregation": "normalize_then_sum"}
+
+
+def _gdpo_refuse(value: Any, values: dict) -> str | None:
+    given = _get(values, "algorithm.multi_objective_aggregation", None)
+    if value == "gdpo" and given not in (None, "normalize_then_sum"):
+        return f"gdpo means algorithm.multi_objective_aggregation: normalize_then_sum, but it is set to {given!r}"
+    return None
+
+
 def _loggers(value: Any, _: dict) -> dict[str, Any]:
     names = [value] if isinstance(value, str) else list(value or [])
     return {"trainer.logger": list(dict.fromkeys(_LOGGERS.get(n, n) for n in names))}
@@ -204,6 +217,17 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
           quiet_when=lambda v: v == "fixed"),
     _note("algorithm.kl_horizon", "adaptive KL controller", "unused (a fixed KL coefficient)"),
     _note("algorithm.kl_target", "adaptive KL controller", "unused (a fixed KL coefficient)"),
+    # verl's GDPO reads its dimensions from the entries of compute_score's dict; grouprl's are the rewards
+    # of worker.reward.functions, each with its weight: another choice of dimensions would train on
+    # something else, so refused.
+    _note("algorithm.gdpo_reward_keys", "verl: the reward dimensions GDPO normalises apart (compute_score's keys)",
+          "each reward of worker.reward.functions is a dimension",
+          refuse=_nonempty("grouprl's GDPO normalises each reward of worker.reward.functions apart; write each "
+                           "dimension as its own reward function"), quiet_when=lambda v: v is None),
+    _note("algorithm.gdpo_reward_weights", "verl: the weights of gdpo_reward_keys",
+          "worker.reward.functions[i].weight",
+          refuse=_nonempty("grouprl's GDPO weighs each reward by worker.reward.functions[i].weight"),
+          quiet_when=lambda v: v is None),
     # ---------------------------------------------------------------- worker.actor
     _note("worker.actor.use_torch_compile", "torch.compile of the actor", "grouprl runs the actor eagerly"),
     # Sequence parallelism splits each sequence over GPUs; without it the micro-batch sizes the user
@@ -301,6 +325,10 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
 
 # Values of keys grouprl has too, read the way EasyR1 writes them.
 PORTED_VALUES: tuple[PortedKey, ...] = (
+    # verl's and NeMo-RL's GDPO is an estimator; in grouprl (and TRL) it is how several rewards are combined.
+    _map("algorithm.adv_estimator", "gdpo (verl, NeMo-RL): each reward normalised in its group, then summed",
+         "gdpo is adv_estimator grpo with algorithm.multi_objective_aggregation: normalize_then_sum",
+         _gdpo, refuse=_gdpo_refuse),
     _map("trainer.logger", "console, file (generations to a JSON file), tensorboard, wandb, mlflow, swanlab",
          "file -> jsonl", _loggers),
     # EasyR1 writes null for "no floor"; grouprl's default 0.0 means the same.

@@ -124,6 +124,11 @@ class AlgorithmConfig:
     # norm_adv_by_std_in_grpo (EasyR1/verl's key: true = group, false = none).
     adv_std_level: str | None = field(default=None, metadata=choices("group", "batch", "none"))
     norm_adv_by_std_in_grpo: bool = True
+    # Several rewards (TRL's key): sum_then_normalize sums the weighted rewards, then the estimator
+    # normalises the sum; normalize_then_sum (GDPO; verl's adv_estimator: gdpo) runs the estimator
+    # on each reward alone, sums the weighted results and renormalises them over the batch.
+    multi_objective_aggregation: str = field(default="sum_then_normalize",
+                                             metadata=choices("sum_then_normalize", "normalize_then_sum"))
     policy_loss: str = "vanilla"
     # Options of the chosen estimator and loss, by the names their registered options classes
     # declare (grouprl.algorithms: GRPOOptions, PPOClipOptions, ...), e.g. {std_level: batch} or

@@ -80,6 +80,9 @@ TRL_NAMES: tuple[TRLName, ...] = (
                     "`importance_sampling_level`), the KL is `algorithm.kl_penalty` (TRL's k3, unclipped)"),
     TRLName("reward_weights", "worker.reward.functions", "each function's weight sits with it: "
             "worker.reward.functions[i].weight"),
+    TRLName("multi_objective_aggregation", "algorithm.multi_objective_aggregation",
+            "sum_then_normalize and normalize_then_sum as in TRL",
+            "eps 1e-6 (TRL's 1e-4); each reward goes through algorithm.adv_estimator (TRL: GRPO's group std)"),
     # ---------------------------------------------------------------- TrainingArguments
     TRLName("learning_rate", "worker.actor.optim.lr"),
     TRLName("lr_scheduler_type", "worker.actor.optim.lr_scheduler_type"),

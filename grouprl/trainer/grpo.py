@@ -36,9 +36,10 @@ from grouprl.trainer.entropy_control import STATE_KEY as ENTROPY_STATE
 from grouprl.trainer.entropy_control import EntropyControl
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
-from grouprl.trainer.parallel import full_named_parameters, mark
+from grouprl.trainer.parallel import batch_moments, full_named_parameters, mark
 from grouprl.trainer.policy import build_optimizer, build_scheduler, setup_policy
 from grouprl.trainer.prompt_stream import PromptStream
+from grouprl.trainer.reward_advantages import reward_advantages
 from grouprl.trainer.reward_metrics import join_results, record_rewards
 from grouprl.trainer.rollout_correction import bypass_old_log_probs, correct_decoupled
 from grouprl.trainer.rollout_correction import record as record_correction
@@ -529,7 +530,7 @@ class GRPOTrainer(TrainingLoop):
                                        response_mask=batch.loss_mask)
             token_rewards = -algo.kl_coef * kl
             metrics.mean("reward/kl_penalty", _masked_mean(kl, batch.loss_mask), float(batch.loss_mask.sum()))
-        batch.advantages = self._advantages(batch.scores, batch, token_rewards) if self.rewards is not None else None
+        batch.advantages = self._advantages(batch.scores, batch, token_rewards, metrics) if self.rewards is not None else None
         if self.teacher is not None:
             from grouprl.trainer.teacher import distillation_advantages
 
@@ -752,16 +753,9 @@ class GRPOTrainer(TrainingLoop):
 
     def _batch_std(self, scores: torch.Tensor) -> float:
         """The unbiased std of the raw rewards over every process's rows (TRL's scale_rewards=batch
-        takes the whole batch too); two float64 sums over the processes."""
-        x = scores.detach().to(torch.float64)
-        if self.accelerator.num_processes == 1:
-            return float(x.std()) if x.numel() > 1 else 1.0
-        t = torch.tensor([float(x.numel()), float(x.sum())], dtype=torch.float64, device=self.accelerator.device)
-        torch.distributed.all_reduce(t)
-        n, mean = float(t[0]), float(t[1] / t[0].clamp(min=1))
-        sq = torch.tensor([float(((x - mean) ** 2).sum())], dtype=torch.float64, device=self.accelerator.device)
-        torch.distributed.all_reduce(sq)
-        return float(sq[0] / (n - 1)) ** 0.5 if n > 1 else 1.0
+        takes the whole batch too), taken as 1 below two rows."""
+        _, std, n = batch_moments(scores, self.accelerator)
+        return std if n > 1 else 1.0
 
     def _groups_to_keep(self, batch: RolloutBatch) -> torch.Tensor:
         """Online filtering's rows to keep, BoolTensor [B]: grouprl's std rule (std_g > filter_min_std), or
@@ -862,10 +856,19 @@ class GRPOTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------ advantages, metrics, records
 
-    def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards) -> torch.Tensor:
+    def _advantages(self, scores: torch.Tensor, batch: RolloutBatch, token_rewards, metrics: StepMetrics) -> torch.Tensor:
         """The estimator's advantages: its resolved options, and the run-time inputs it declares
-        (``algorithms.ADVANTAGE_ESTIMATOR_INPUTS``), each computed only when declared."""
-        name = self.config.algorithm.adv_estimator
+        (``algorithms.ADVANTAGE_ESTIMATOR_INPUTS``), each computed only when declared. With a group
+        estimator each reward's own advantages are logged, and under GDPO (normalize_then_sum) trained."""
+        algo = self.config.algorithm
+        name = algo.adv_estimator
+        if name in algorithms.GROUP_RELATIVE_ESTIMATORS:  # each reward's own advantages: GDPO's, and logged
+            gdpo = reward_advantages(batch, self.rewards.weights, token_rewards, estimator=name,
+                                     options=self.estimator_options, aggregation=algo.multi_objective_aggregation,
+                                     metrics=metrics,
+                                     batch_moments_fn=functools.partial(batch_moments, accelerator=self.accelerator))
+            if gdpo is not None:
+                return gdpo
         inputs = algorithms.estimator_inputs(name)
         options: dict = {**self.estimator_options, "response_mask": batch.loss_mask}
         if "token_rewards" in inputs:

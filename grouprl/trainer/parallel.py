@@ -283,6 +283,28 @@ def clip_grad_norm(model, accelerator, max_norm: float) -> float:
     return float(accelerator.clip_grad_norm_(params, max_norm))
 
 
+def batch_moments(values: torch.Tensor, accelerator=None) -> tuple[float, float, int]:
+    """(mean, std, n) of ``values`` over every process's elements (``accelerator``'s processes;
+    None or one process: these values only, ``grouprl.algorithms.batch_moments``).
+
+    mean = sum x / n,  std = sqrt(sum (x - mean)^2 / (n - 1))  (unbiased; 0 for n < 2), n = total count.
+    Float64 sums all-reduced in two passes (count and sum, then the squares about the global
+    mean: no cancellation of E[x^2] - E[x]^2). A collective: every process calls it, with
+    rows or without.
+    """
+    from grouprl.algorithms import batch_moments as local_moments
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return local_moments(values)
+    x = values.detach().reshape(-1).to(torch.float64)
+    t = torch.tensor([float(x.numel()), float(x.sum())], dtype=torch.float64, device=accelerator.device)
+    torch.distributed.all_reduce(t)
+    n, mean = int(t[0]), float(t[1] / t[0].clamp(min=1))
+    sq = torch.tensor([float(((x - mean) ** 2).sum())], dtype=torch.float64, device=accelerator.device)
+    torch.distributed.all_reduce(sq)
+    return mean, float(sq[0] / (n - 1)) ** 0.5 if n > 1 else 0.0, n
+
+
 def full_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every parameter, one at a time, names as in the unwrapped model.
 

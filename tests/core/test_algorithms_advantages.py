@@ -238,14 +238,17 @@ def test_trainer_passes_the_configured_std_level():
     from grouprl.config import load_config
     from grouprl.config.algorithm_options import resolve_options
     from grouprl.trainer.grpo import GRPOTrainer
+    from grouprl.trainer.metrics import StepMetrics
 
     def advantages(*overrides):
         config = load_config(None, list(overrides))
         trainer = SimpleNamespace(config=config, accelerator=SimpleNamespace(num_processes=1),
-                                  estimator_options=resolve_options(config, "adv_estimator"))
+                                  estimator_options=resolve_options(config, "adv_estimator"),
+                                  rewards=SimpleNamespace(weights={"r": 1.0}))
         trainer._batch_std = GRPOTrainer._batch_std.__get__(trainer)
-        batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS)
-        return GRPOTrainer._advantages(trainer, SCORES, batch, None)[:, 0]
+        batch = SimpleNamespace(loss_mask=torch.ones(6, 2), group_index=GROUPS, scores=SCORES,
+                                reward_components={"r": SCORES.tolist()})
+        return GRPOTrainer._advantages(trainer, SCORES, batch, None, StepMetrics())[:, 0]
 
     close(advantages("algorithm.adv_std_level=batch"),
           compute_advantages("grpo", SCORES, GROUPS, std_level="batch"))

@@ -276,11 +276,15 @@ def test_grpo_passk_follows_norm_adv_by_std(text_setup, tmp_path, norm):
     cfg = config_from_dict(text_config(text_setup, tmp_path, **{"algorithm.adv_estimator": "grpo_passk",
                                                                  "algorithm.norm_adv_by_std_in_grpo": norm}))
     scores = torch.tensor([1.0, 0.0, 0.5, 0.2])
-    batch = SimpleNamespace(loss_mask=torch.ones(4, 3), group_index=torch.zeros(4, dtype=torch.long))
     from grouprl.config.algorithm_options import resolve_options
+    from grouprl.trainer.metrics import StepMetrics
 
-    trainer = SimpleNamespace(config=cfg, estimator_options=resolve_options(cfg, "adv_estimator"))
-    got = Trainer._advantages(trainer, scores, batch, None)
+    batch = SimpleNamespace(loss_mask=torch.ones(4, 3), group_index=torch.zeros(4, dtype=torch.long), scores=scores,
+                            reward_components={"r": scores.tolist()})
+    trainer = SimpleNamespace(config=cfg, rewards=SimpleNamespace(weights={"r": 1.0}),
+                              accelerator=SimpleNamespace(num_processes=1),
+                              estimator_options=resolve_options(cfg, "adv_estimator"))
+    got = Trainer._advantages(trainer, scores, batch, None, StepMetrics())
     want = algorithms.compute_advantages("grpo_passk", scores, batch.group_index, norm_by_std=norm,
                                          response_mask=batch.loss_mask)
     torch.testing.assert_close(got, want)

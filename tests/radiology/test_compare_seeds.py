@@ -213,8 +213,10 @@ def test_quick_two_seeds_end_to_end(two_seeds):
             assert row["values"] == values and row["mean"] == pytest.approx(sum(values) / 2)
             iv = t_interval(values)
             assert (row["low"], row["high"]) == (pytest.approx(iv.low), pytest.approx(iv.high))
-    pairs = {"SFT+EditGRPO - SFT+Dr.GRPO": ("SFT+EditGRPO", "SFT+Dr.GRPO"),
+    chain = {"SFT+EditGRPO - SFT+Dr.GRPO": ("SFT+EditGRPO", "SFT+Dr.GRPO"),
              "SFT+Dr.GRPO - SFT+GRPO": ("SFT+Dr.GRPO", "SFT+GRPO")}
+    # GDPO against GRPO too, compared the same way, outside the ordering's verdict
+    pairs = {**chain, "SFT+GDPO - SFT+GRPO": ("SFT+GDPO", "SFT+GRPO")}
     assert list(agg["paired"]) == list(pairs)
     for name, (better, worse) in pairs.items():
         # no ordering on the word count: longer reports are not better ones
@@ -226,7 +228,7 @@ def test_quick_two_seeds_end_to_end(two_seeds):
             assert row["verdict"] == verdict(paired_interval(*zip(*[(seeds[s]["models"][better][key],
                                                                     seeds[s]["models"][worse][key]) for s in (5, 6)])))
     for key in demo.ORDERED_METRICS:
-        assert agg["ordering_verdict"][key] == chain_verdict([agg["paired"][p][key]["verdict"] for p in pairs])
+        assert agg["ordering_verdict"][key] == chain_verdict([agg["paired"][p][key]["verdict"] for p in chain])
     assert (out / "compare_seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each seed is a whole compare run of its own
     for s in (5, 6):

@@ -101,11 +101,11 @@ def test_quick_demo_end_to_end(tmp_path, capsys, monkeypatch):
     assert (out / "data" / "train" / "data.json").exists() and list((out / "data" / "train" / "images").glob("*.png"))
 
 
-def test_quick_compare_trains_three_variants_from_one_sft(tmp_path, plumbing_sizes):
+def test_quick_compare_trains_four_variants_from_one_sft(tmp_path, plumbing_sizes):
     out = tmp_path / "cmp"
     assert main(["demo", "--quick", "--compare", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Dr.GRPO", "SFT+EditGRPO"]
+    assert list(summary["models"]) == ["SFT", "SFT+GRPO", "SFT+Dr.GRPO", "SFT+EditGRPO", "SFT+GDPO"]
     # the model it built is recorded, so `--seeds` never reuses a seed run with another model
     assert summary["model"] == demo.DEMO_MODEL == {"vocab_size": 1024}
     assert (out / "compare_rewards.png").read_bytes()[:4] == b"\x89PNG"
@@ -114,6 +114,12 @@ def test_quick_compare_trains_three_variants_from_one_sft(tmp_path, plumbing_siz
     assert steps and all("edits/edit_rate" in m for m in steps)
     drgrpo = (out / "drgrpo" / "config.yaml").read_text()
     assert "seq-mean-token-sum-norm" in drgrpo and "norm_adv_by_std_in_grpo: false" in drgrpo
+    # GDPO: the composite's three parts trained as three rewards, each normalised on its own, and logged so
+    gdpo = [json.loads(x) for x in (out / "gdpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in gdpo if "reward/mean" in m]
+    assert steps and "multi_objective_aggregation: normalize_then_sum" in (out / "gdpo" / "config.yaml").read_text()
+    for part in ("radgraphf1", "cxb14micro", "ratescore"):
+        assert all(f"advantages/{part}/std" in m and f"rewards/{part}/mean" in m for m in steps), part
 
 
 def test_guided_and_compare_are_separate_demos(tmp_path, capsys):

@@ -131,13 +131,15 @@ def chain_verdict(verdicts: Sequence[str]) -> str:
 
 def summarize_seeds(results: Mapping[int, Mapping[str, Mapping[str, float]]], *, metrics: Sequence[str],
                     order: Sequence[str], ordered_metrics: Sequence[str] | None = None,
-                    confidence: float = CONFIDENCE) -> dict:
+                    also: Sequence[tuple[str, str]] = (), confidence: float = CONFIDENCE) -> dict:
     """Per-model intervals and the paired ordering test, from ``results[seed][model][metric]``.
 
     ``order`` names models best first (the expected ordering order[0] > order[1] > ...);
     each adjacent pair is compared with `paired_interval` over the seeds on every metric of
     ``ordered_metrics`` (default all of ``metrics``; leave out ones where larger is not
-    better), and `chain_verdict` judges the whole chain per metric. Every seed must hold
+    better), and `chain_verdict` judges the whole chain per metric. ``also``: more (better,
+    worse) pairs compared the same way, after the chain's in ``paired``, outside the chain's
+    verdict (a variant that is no link of the ordering, tested against one). Every seed must hold
     every model and metric (paired by seed). Returns plain JSON-able dicts.
     """
     seeds = sorted(results)
@@ -151,9 +153,10 @@ def summarize_seeds(results: Mapping[int, Mapping[str, Mapping[str, float]]], *,
             missing = [k for k in metrics if k not in results[s][m]]
             if missing:
                 raise ValueError(f"summarize_seeds: seed {s}, model {m!r} lacks {missing}")
-    unknown = [m for m in order if m not in models]
+    unknown = [m for m in [*order, *(m for pair in also for m in pair)] if m not in models]
     if unknown or len(order) < 2:
-        raise ValueError(f"summarize_seeds: order must name at least two of {models}, got {list(order)}")
+        raise ValueError(f"summarize_seeds: order must name at least two of {models} and also only those; "
+                         f"got order {list(order)}, also {list(also)}")
     ordered_metrics = list(metrics if ordered_metrics is None else ordered_metrics)
 
     def column(model: str, metric: str) -> list[float]:
@@ -162,14 +165,15 @@ def summarize_seeds(results: Mapping[int, Mapping[str, Mapping[str, float]]], *,
     per_model = {m: {k: {**t_interval(column(m, k), confidence).as_dict(), "values": column(m, k)}
                      for k in metrics} for m in models}
     pairs = {}
-    for better, worse in zip(order, order[1:]):
+    chain_pairs = list(zip(order, order[1:]))
+    for better, worse in [*chain_pairs, *also]:
         rows = {}
         for k in ordered_metrics:
             iv = paired_interval(column(better, k), column(worse, k), confidence)
             rows[k] = {**iv.as_dict(), "values": paired_differences(column(better, k), column(worse, k)),
                        "verdict": verdict(iv)}
         pairs[f"{better} - {worse}"] = rows
-    chain = {k: chain_verdict([rows[k]["verdict"] for rows in pairs.values()]) for k in ordered_metrics}
+    chain = {k: chain_verdict([pairs[f"{b} - {w}"][k]["verdict"] for b, w in chain_pairs]) for k in ordered_metrics}
     return {"seeds": seeds, "k": len(seeds), "confidence": confidence, "models": per_model,
             "paired": pairs, "ordering": " > ".join(order), "ordering_verdict": chain}
 

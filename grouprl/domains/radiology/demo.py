@@ -15,8 +15,9 @@
 
 `grouprl demo --compare --seeds K` repeats the comparison over K seeds, each its own
 data, model, SFT warm start and RL runs, and reports every metric's mean with a 95%
-Student-t interval and whether EditGRPO > Dr.GRPO > GRPO holds beyond the noise
-(paired by seed, grouprl.domains.demos.seed_stats).
+Student-t interval and whether EditGRPO > Dr.GRPO > GRPO, and GDPO > GRPO, hold beyond the
+noise (paired by seed, grouprl.domains.demos.seed_stats). The GDPO arm trains on the composite's
+three parts as three rewards, each normalised within its group before the sum.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from grouprl.config import config_from_dict, merge_values
 from grouprl.files import AtomicFile, write_text_atomic
 from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 from grouprl.domains.demos.seed_stats import format_difference, format_mean, seed_dir_status
+from grouprl.domains.radiology.rewards.rewards import EDITGRPO_COMPONENTS
 
 # Sizes chosen so the full demo finishes in a few minutes on 2 CPU cores.
 FULL = dict(train=1200, val=96, sft_epochs=8, grpo_steps=120, n=8, prompts_per_step=16, val_every=20)
@@ -151,6 +153,11 @@ VARIANTS = {
     "editgrpo": ("SFT+EditGRPO", merge_values(_DR_GRPO, {"worker": {"rollout": {
         "extractor": True, "extractor_num_para": -1, "extractor_num_ops_per_para": 1,
         "extractor_similarity_threshold": 0.6}}})),
+    # GDPO: the composite's three parts as three rewards (weights 1: the same sum), each normalised
+    # within its group before they are summed; otherwise the GRPO arm
+    "gdpo": ("SFT+GDPO", {"algorithm": {"multi_objective_aggregation": "normalize_then_sum"},
+                          "worker": {"reward": {"functions": [{"name": part, "weight": 1.0}
+                                                              for part in EDITGRPO_COMPONENTS]}}}),
 }
 
 
@@ -158,7 +165,7 @@ VARIANTS = {
 
 def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
     """The demo (in ``out``, default runs/demo, runs/demo-quick with ``quick``); with ``compare`` it trains
-    GRPO, Dr. GRPO and EditGRPO from the same SFT model."""
+    GRPO, Dr. GRPO, EditGRPO and GDPO from the same SFT model."""
     from rich.console import Console
     from rich.table import Table
 
@@ -270,6 +277,8 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
 
 # the paper's ordering (EditGRPO's table), best first
 ORDER = [VARIANTS["editgrpo"][0], VARIANTS["drgrpo"][0], VARIANTS["grpo"][0]]
+# GDPO is no link of that ordering; it is tested against GRPO, whose settings it shares but for the reward's split
+ALSO_PAIRED = [(VARIANTS["gdpo"][0], VARIANTS["grpo"][0])]
 COMPARE_MODELS = ["SFT", *(label for label, _ in VARIANTS.values())]
 # longer reports are not better reports: the word count gets an interval but no ordering
 ORDERED_METRICS = [key for _, key in TABLE_COLUMNS if key != "mean_words"]
@@ -367,7 +376,7 @@ def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 
         seed_seconds[s] = summary["wall_seconds"]
 
     metrics = [key for _, key in TABLE_COLUMNS]
-    stats = summarize_seeds(per_seed, metrics=metrics, order=ORDER, ordered_metrics=ORDERED_METRICS)
+    stats = summarize_seeds(per_seed, metrics=metrics, order=ORDER, ordered_metrics=ORDERED_METRICS, also=ALSO_PAIRED)
     k = stats["k"]
     console.rule(f"[bold]{k} seed(s): {', '.join(map(str, stats['seeds']))}")
     if k == 1:
@@ -384,8 +393,8 @@ def run_compare_seeds(out: str | Path | None = None, *, seeds: int, seed: int = 
 
     titles = dict((key, title) for title, key in TABLE_COLUMNS)
     pairs = list(stats["paired"])
-    order_table = Table(title=f"the paper's ordering {stats['ordering']}: paired differences per seed, "
-                              "mean [95% t-interval]")
+    order_table = Table(title=f"the paper's ordering {stats['ordering']}, and GDPO against GRPO: paired "
+                              "differences per seed, mean [95% t-interval]")
     order_table.add_column("metric")
     for pair in pairs:
         order_table.add_column(pair.replace("SFT+", ""), justify="right")
