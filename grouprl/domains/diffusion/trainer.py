@@ -89,7 +89,7 @@ from grouprl.files import RecordsError, read_json_records
 from grouprl.rewards import RewardResult
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
-from grouprl.trainer.parallel import make_accelerator, mark
+from grouprl.trainer.parallel import batch_moments, make_accelerator, mark
 from grouprl.trainer.precision import precision_policy
 from grouprl.trainer.prompt_stream import PromptStream
 from grouprl.trainer.reward_metrics import join_results, record_rewards
@@ -663,18 +663,16 @@ class FlowGRPOTrainer(TrainingLoop):
         return torch.cat(out)
 
     def _advantages(self, total: torch.Tensor) -> torch.Tensor:
-        """This process's advantages; the std of ``global_std`` is that of every process's batch.
-
-        Each process holds whole groups (n images of each of its prompts), so only the
-        global std needs the other processes' rewards, as Flow-GRPO gathers them.
-        """
+        """This process's advantages: the core ``grpo`` estimator over its own groups, with (``global_std``)
+        the std of every process's rewards (``trainer.parallel.batch_moments``, as the language trainer's
+        std_level batch). Each process holds whole groups (n images of each of its prompts), so only that
+        std needs the other processes, as Flow-GRPO gathers their rewards for it."""
         algo, n = self.config.algorithm, self.config.worker.rollout.n
-        world = self.accelerator.num_processes
-        if world == 1 or not algo.global_std:
-            return group_advantages(total, n, global_std=algo.global_std, clip=algo.adv_clip_max)
-        everyone = self.accelerator.gather(total.to(self.device)).cpu()  # process-major: groups stay consecutive
-        mine = slice(self.accelerator.process_index * len(total), (self.accelerator.process_index + 1) * len(total))
-        return group_advantages(everyone, n, global_std=True, clip=algo.adv_clip_max)[mine]
+        batch_std = None
+        if algo.global_std:
+            _, std, count = batch_moments(total.to(self.device), self.accelerator)
+            batch_std = std if count > 1 else 1.0
+        return group_advantages(total, n, global_std=algo.global_std, clip=algo.adv_clip_max, batch_std=batch_std)
 
     @torch.no_grad()
     def _recompute_old(self, batch: FlowBatch, metrics: StepMetrics) -> None:
