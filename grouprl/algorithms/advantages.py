@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grouprl.algorithms.options import NoOptions, check_options_class, options_from_signature, split_options
+from grouprl.algorithms.options import NoOptions, register_with_options
 from grouprl.registry import Registry
 
 AdvantageEstimator = Callable[..., Tensor]
@@ -65,19 +65,12 @@ def register_advantage_estimator(
     ``group_relative``: the estimator needs at least two responses per prompt
     (``GROUP_RELATIVE_ESTIMATORS``).
     """
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        cls = options if options is not None else options_from_signature(fn, inputs=ADVANTAGE_ESTIMATOR_INPUTS,
-                                                                         name=name)
-        check_options_class("advantage estimator", name, fn, cls)
-        ADVANTAGE_ESTIMATORS.register(name, fn, overwrite=overwrite)
-        ADVANTAGE_ESTIMATOR_OPTIONS[name] = cls
-        if group_relative:
-            GROUP_RELATIVE_ESTIMATORS.add(name)
-        else:
-            GROUP_RELATIVE_ESTIMATORS.discard(name)
-        return fn
-
-    return decorator
+    if group_relative:
+        GROUP_RELATIVE_ESTIMATORS.add(name)
+    else:
+        GROUP_RELATIVE_ESTIMATORS.discard(name)
+    return register_with_options(ADVANTAGE_ESTIMATORS, ADVANTAGE_ESTIMATOR_OPTIONS, kind="advantage estimator",
+                                 name=name, options=options, inputs=ADVANTAGE_ESTIMATOR_INPUTS, overwrite=overwrite)
 
 
 def advantage_estimator_options_class(name: str) -> type:

@@ -62,6 +62,20 @@ def check_options_class(kind: str, name: str, fn: Callable, options: type) -> No
                         f"{', '.join(missing)} that the function does not take")
 
 
+def register_with_options(registry, table: dict[str, type], *, kind: str, name: str, options: type | None,
+                          inputs: Iterable[str], overwrite: bool) -> Callable[[Callable], Callable]:
+    """Decorator registering ``fn`` in ``registry`` under ``name`` and its options class in ``table``:
+    ``options``, or one made from ``fn``'s signature (less the run-time ``inputs``), checked against ``fn``."""
+    def decorator(fn: Callable) -> Callable:
+        cls = options if options is not None else options_from_signature(fn, inputs=inputs, name=name)
+        check_options_class(kind, name, fn, cls)
+        registry.register(name, fn, overwrite=overwrite)
+        table[name] = cls
+        return fn
+
+    return decorator
+
+
 def option_names(options: type) -> list[str]:
     """The option names of an options class, in declaration order."""
     return [f.name for f in dataclasses.fields(options)]

@@ -27,12 +27,7 @@ import torch
 from torch import Tensor
 
 from grouprl.algorithms.aggregation import aggregate_loss
-from grouprl.algorithms.options import (
-    check_options_class,
-    option_defaults,
-    options_from_signature,
-    split_options,
-)
+from grouprl.algorithms.options import option_defaults, register_with_options, split_options
 from grouprl.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
@@ -71,14 +66,8 @@ def register_policy_loss(name: str, *, options: type | None = None,
     ``options``: a dataclass of the options the loss takes (each a keyword parameter of ``fn``,
     with its default); None makes one from ``fn``'s keyword-only parameters with defaults.
     """
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        cls = options if options is not None else options_from_signature(fn, inputs=POLICY_LOSS_INPUTS, name=name)
-        check_options_class("policy loss", name, fn, cls)
-        POLICY_LOSSES.register(name, fn, overwrite=overwrite)
-        POLICY_LOSS_OPTIONS[name] = cls
-        return fn
-
-    return decorator
+    return register_with_options(POLICY_LOSSES, POLICY_LOSS_OPTIONS, kind="policy loss", name=name,
+                                 options=options, inputs=POLICY_LOSS_INPUTS, overwrite=overwrite)
 
 
 def policy_loss_options_class(name: str) -> type:
@@ -301,12 +290,8 @@ def sapo_policy_loss(
 
 
 @register_policy_loss("reinforce")
-def reinforce_policy_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-) -> PolicyLossTerms:
+def reinforce_policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                          response_mask: Tensor) -> PolicyLossTerms:
     """REINFORCE: l = -A * log_prob (no ratio, no clip; old_log_prob is read for the ratio metric only).
 
     The gradient is -A grad log_prob. With ``token_weights`` w (an IS weight pi_theta / pi_rollout,
@@ -319,15 +304,8 @@ def reinforce_policy_loss(
 
 
 @register_policy_loss("geo_mean", options=GMPOOptions)
-def geo_mean_policy_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_ratio_low: float = 0.4,
-    clip_ratio_high: float = 0.4,
-) -> PolicyLossTerms:
+def geo_mean_policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                         clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.4) -> PolicyLossTerms:
     """GMPO (geometric-mean policy optimisation, arXiv 2507.20673): one ratio per response, the
     geometric mean of its token ratios, each clipped in log space first.
 

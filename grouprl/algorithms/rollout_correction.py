@@ -130,7 +130,9 @@ def rollout_importance_weights(
     return _to_dtype(weights, dtype)
 
 
-def _mean(values: Tensor, count: Tensor) -> tuple[float, float]:
+def mean_and_count(values: Tensor, count: Tensor | int) -> tuple[float, float]:
+    """(sum(values) / count, count), (0.0, 0.0) for no count: a metric as (value, weight), reduced over
+    processes as sum(value * weight) / sum(weight)."""
     n = float(count)
     return (float(values.sum()) / n if n > 0 else 0.0, n)
 
@@ -194,10 +196,10 @@ def rollout_mismatch_metrics(
         capped_values = capped.any(-1).to(torch.float64)
         count = rows.sum()
     return {
-        "mismatch/k3_kl": _mean(k3, n_tokens),
-        "mismatch/abs_log_prob_diff": _mean(abs_diff, n_tokens),
-        "mismatch/weight_mean": _mean(weight_values, count),
-        "mismatch/capped_frac": _mean(capped_values, count),
+        "mismatch/k3_kl": mean_and_count(k3, n_tokens),
+        "mismatch/abs_log_prob_diff": mean_and_count(abs_diff, n_tokens),
+        "mismatch/weight_mean": mean_and_count(weight_values, count),
+        "mismatch/capped_frac": mean_and_count(capped_values, count),
     }
 
 
@@ -312,15 +314,15 @@ def importance_weight_metrics(
     log_ratio = _log_ratio(old_log_prob, rollout_log_prob, response_mask, rollout_is)
     high, low = log_ratio > math.log(upper), log_ratio < math.log(lower)
     if rollout_is == "token":
-        high_frac = _mean((high & valid).to(torch.float64), n_tokens)
-        low_frac = _mean((low & valid).to(torch.float64), n_tokens)
+        high_frac = mean_and_count((high & valid).to(torch.float64), n_tokens)
+        low_frac = mean_and_count((low & valid).to(torch.float64), n_tokens)
     else:  # one value per row (the row's log-ratio sum, 0 for an empty row)
-        high_frac = _mean(high[:, 0].to(torch.float64), high.shape[0]) if high.shape[1] else (0.0, 0.0)
-        low_frac = _mean(low[:, 0].to(torch.float64), low.shape[0]) if low.shape[1] else (0.0, 0.0)
-    metrics = {"rollout_is_mean": _mean(w, n_tokens), "rollout_is_ratio_fraction_high": high_frac,
+        high_frac = mean_and_count(high[:, 0].to(torch.float64), high.shape[0]) if high.shape[1] else (0.0, 0.0)
+        low_frac = mean_and_count(low[:, 0].to(torch.float64), low.shape[0]) if low.shape[1] else (0.0, 0.0)
+    metrics = {"rollout_is_mean": mean_and_count(w, n_tokens), "rollout_is_ratio_fraction_high": high_frac,
                "rollout_is_ratio_fraction_low": low_frac}
     if icepop:
-        metrics["rollout_is_oob_ratio"] = _mean(((high | low) & valid).to(torch.float64), n_tokens)
+        metrics["rollout_is_oob_ratio"] = mean_and_count(((high | low) & valid).to(torch.float64), n_tokens)
     return metrics
 
 
@@ -350,13 +352,13 @@ def off_policy_metrics(
     mean_old, mean_rollout = old.sum(-1) / counts.clamp(min=1), rollout.sum(-1) / counts.clamp(min=1)
 
     def over_rows(values: Tensor) -> tuple[float, float]:
-        return _mean(torch.where(rows, values, 0.0), n_rows)
+        return mean_and_count(torch.where(rows, values, 0.0), n_rows)
 
-    chi2_token = _mean(torch.where(valid, torch.exp(2 * d.clamp(-20.0, 20.0)), 0.0), n_tokens)
+    chi2_token = mean_and_count(torch.where(valid, torch.exp(2 * d.clamp(-20.0, 20.0)), 0.0), n_tokens)
     chi2_seq = over_rows(torch.exp(2 * d.sum(-1).clamp(-20.0, 20.0)))
     return {
-        "kl": _mean(-d, n_tokens),
-        "k3_kl": _mean(torch.where(valid, torch.expm1(d) - d, 0.0), n_tokens),
+        "kl": mean_and_count(-d, n_tokens),
+        "k3_kl": mean_and_count(torch.where(valid, torch.expm1(d) - d, 0.0), n_tokens),
         "chi2_token": (chi2_token[0] - 1.0 if chi2_token[1] else 0.0, chi2_token[1]),
         "training_ppl": over_rows(torch.exp(-mean_old)),
         "rollout_ppl": over_rows(torch.exp(-mean_rollout)),

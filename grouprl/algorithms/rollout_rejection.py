@@ -35,6 +35,8 @@ import math
 import torch
 from torch import Tensor
 
+from grouprl.algorithms.rollout_correction import mean_and_count
+
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 # exp(+-20) bounds each token's log-ratio as verl does (SAFETY_BOUND): exp stays finite in float32.
@@ -107,11 +109,6 @@ def parse_rs_thresholds(options: list[str], spec: str | float | None) -> dict[st
     return bounds
 
 
-def _mean(values: Tensor, count: Tensor | int) -> tuple[float, float]:
-    n = float(count)
-    return (float(values.sum()) / n if n > 0 else 0.0, n)
-
-
 def rollout_rejection_mask(
     old_log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -167,10 +164,10 @@ def rollout_rejection_mask(
         rejected = valid & ~passed
         keep &= passed
         prefix = f"rollout_rs_{option}"
-        metrics[f"{prefix}_masked_fraction"] = _mean(rejected.to(torch.float64), n_tokens)
-        metrics[f"{prefix}_seq_masked_fraction"] = _mean(rejected.any(-1).to(torch.float64), n_rows)
-        metrics[f"{prefix}_mean"] = _mean(torch.where(valid, stat, 0.0), n_tokens)
+        metrics[f"{prefix}_masked_fraction"] = mean_and_count(rejected.to(torch.float64), n_tokens)
+        metrics[f"{prefix}_seq_masked_fraction"] = mean_and_count(rejected.any(-1).to(torch.float64), n_rows)
+        metrics[f"{prefix}_mean"] = mean_and_count(torch.where(valid, stat, 0.0), n_tokens)
     rejected = valid & ~keep
-    metrics["rollout_rs_masked_fraction"] = _mean(rejected.to(torch.float64), n_tokens)
-    metrics["rollout_rs_seq_masked_fraction"] = _mean(rejected.any(-1).to(torch.float64), valid.shape[0])
+    metrics["rollout_rs_masked_fraction"] = mean_and_count(rejected.to(torch.float64), n_tokens)
+    metrics["rollout_rs_seq_masked_fraction"] = mean_and_count(rejected.any(-1).to(torch.float64), valid.shape[0])
     return keep.to(response_mask.dtype), metrics

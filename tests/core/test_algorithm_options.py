@@ -70,31 +70,6 @@ def test_every_older_key_names_an_option_of_its_algorithm():
         assert set(keys) <= set(option_names(cls)), (family, name)
 
 
-def test_a_plugin_loss_takes_its_options_from_the_config(monkeypatch):
-    from dataclasses import dataclass
-
-    import torch
-
-    from grouprl.algorithms import POLICY_LOSS_OPTIONS, POLICY_LOSSES, PolicyLossTerms, register_policy_loss
-
-    @dataclass(frozen=True)
-    class Options:
-        scale: float = 1.0
-
-    @register_policy_loss("test_plugin_loss", options=Options)
-    def loss(log_prob, old_log_prob, advantages, response_mask, *, scale=1.0):
-        never = torch.zeros_like(log_prob, dtype=torch.bool)
-        return PolicyLossTerms(-scale * advantages * log_prob, torch.ones_like(log_prob), never, never)
-
-    try:
-        got = options("policy_loss", "algorithm.policy_loss=test_plugin_loss",
-                      "algorithm.policy_loss_options={scale: 3}")
-        assert got == {"scale": 3.0}
-    finally:
-        del POLICY_LOSSES["test_plugin_loss"]
-        POLICY_LOSS_OPTIONS.pop("test_plugin_loss", None)
-
-
 def test_the_documented_new_loss_runs_as_written():
     """docs/training.md's example of a new loss: executed as written, then used by name with its option."""
     import re

@@ -383,26 +383,21 @@ def test_config_keys_and_their_errors():
     on = config_from_dict({"algorithm": {"off_policy_sequence_masking": {"delta": 0.5}, "kl_coef": 0.1,
                                          "unbiased_kl": True, "policy_loss": "geo_mean"}})
     assert on.algorithm.off_policy_sequence_masking.delta == 0.5 and on.algorithm.unbiased_kl
+    from grouprl.config import load_config
+
     for bad, key in [
-        ({"algorithm.off_policy_sequence_masking.delta": 0.0}, "algorithm.off_policy_sequence_masking.delta"),
-        ({"algorithm.off_policy_sequence_masking.delta": -1.0}, "algorithm.off_policy_sequence_masking.delta"),
-        ({"algorithm.unbiased_kl": True, "algorithm.kl_coef": 0.1, "algorithm.use_kl_loss": False},
+        (["algorithm.off_policy_sequence_masking.delta=0.0"], "algorithm.off_policy_sequence_masking.delta"),
+        (["algorithm.off_policy_sequence_masking.delta=-1.0"], "algorithm.off_policy_sequence_masking.delta"),
+        (["algorithm.unbiased_kl=true", "algorithm.kl_coef=0.1", "algorithm.use_kl_loss=false"],
          "algorithm.unbiased_kl"),
-        ({"algorithm.unbiased_kl": True}, "algorithm.unbiased_kl"),  # kl_coef 0: no KL term to weigh
-        ({"algorithm.policy_loss": "geo_mean", "algorithm.policy_loss_options": {"clip_ratio_low": 0.0}},
+        (["algorithm.unbiased_kl=true"], "algorithm.unbiased_kl"),  # kl_coef 0: no KL term to weigh
+        (["algorithm.policy_loss=geo_mean", "algorithm.policy_loss_options={clip_ratio_low: 0.0}"],
          "algorithm.policy_loss_options"),
-        ({"algorithm.policy_loss": "geo_mean", "algorithm.policy_loss_options": {"clip_ratio_high": -0.1}},
+        (["algorithm.policy_loss=geo_mean", "algorithm.policy_loss_options={clip_ratio_high: -0.1}"],
          "algorithm.policy_loss_options"),
     ]:
-        nested: dict = {}
-        for dotted, value in bad.items():
-            *path, last = dotted.split(".")
-            node = nested
-            for part in path:
-                node = node.setdefault(part, {})
-            node[last] = value
         with pytest.raises(ConfigError, match=f"'{key}'"):
-            config_from_dict(nested)
+            load_config(None, bad)
 
 
 # ---------------------------------------------------------------------------- tiny runs

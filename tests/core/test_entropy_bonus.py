@@ -133,20 +133,15 @@ def test_the_entropys_backward_holds_one_chunk_of_logits(model, batch, padding_f
     """With the entropy differentiable, what autograd keeps is still at most one chunk of [tokens, vocabulary]."""
     vocab, b = model.config.vocab_size, batch
 
+    from test_logprob_packing import largest_saved_rows  # tests/core, same folder
+
     def largest_saved_logits(chunk):
-        sizes = []
-
-        def pack(t):
-            if t.dim() >= 1 and t.shape[-1] == vocab:
-                sizes.append(t.numel() // vocab)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _, entropy = forward_response_log_probs(model, b.prompt_ids, b.prompt_mask, b.response_ids,
-                                                    b.response_mask, {}, with_entropy=True,
-                                                    padding_free=padding_free, chunk_tokens=chunk, entropy_grad=True)
+        most, (_, entropy) = largest_saved_rows(
+            lambda: forward_response_log_probs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                                               {}, with_entropy=True, padding_free=padding_free, chunk_tokens=chunk,
+                                               entropy_grad=True), vocab)
         assert entropy.requires_grad
-        return max(sizes, default=0)
+        return most
 
     assert largest_saved_logits(None) >= int(b.response_mask.sum())  # all positions at once: the contrast
     assert largest_saved_logits(2) <= 2

@@ -99,6 +99,21 @@ def test_lora_policy_scores_packed_and_chunked_like_the_full_logits(text_model):
     torch.testing.assert_close(base, reference_log_probs(text_model, *rows, {})[0], rtol=1e-5, atol=2e-6)
 
 
+def largest_saved_rows(run, vocab: int):
+    """(the most rows of [*, vocab] tensors, i.e. logits, autograd saved for the backward while ``run()``
+    ran, what ``run()`` returned)."""
+    sizes = []
+
+    def pack(t):
+        if t.dim() >= 1 and t.shape[-1] == vocab:
+            sizes.append(t.numel() // vocab)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return max(sizes, default=0), result
+
+
 def test_chunked_backward_never_holds_the_logits_of_all_positions(text_model):
     """With gradients on, what autograd keeps for the backward pass is at most one chunk of logits."""
     rows = text_rows(text_model.config.vocab_size, rows=8)
@@ -106,16 +121,8 @@ def test_chunked_backward_never_holds_the_logits_of_all_positions(text_model):
     scored = int(rows[3].sum())
 
     def largest_saved_logits(chunk):
-        sizes = []
-
-        def pack(t):
-            if t.dim() >= 1 and t.shape[-1] == vocab:
-                sizes.append(t.numel() // vocab)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_response_log_probs(text_model, *rows, {}, chunk_tokens=chunk)
-        return max(sizes, default=0)
+        return largest_saved_rows(lambda: forward_response_log_probs(text_model, *rows, {}, chunk_tokens=chunk),
+                                  vocab)[0]
 
     assert largest_saved_logits(None) >= scored  # all response positions' logits at once
     assert largest_saved_logits(4) <= 4

@@ -163,11 +163,23 @@ VARIANTS = {
 
 
 
+def held_out_table(results: dict[str, dict], studies: int, caption: str):
+    """The held-out table (a rich Table): one row per model, the TABLE_COLUMNS' values (words to one decimal)."""
+    from rich.table import Table
+
+    table = Table(title=f"held-out synthetic studies (n={studies})", caption=caption)
+    table.add_column("model")
+    for title, _ in TABLE_COLUMNS:
+        table.add_column(title, justify="right")
+    for name, r in results.items():
+        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
+    return table
+
+
 def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0, compare: bool = False) -> dict:
     """The demo (in ``out``, default runs/demo, runs/demo-quick with ``quick``); with ``compare`` it trains
     GRPO, Dr. GRPO, EditGRPO and GDPO from the same SFT model."""
     from rich.console import Console
-    from rich.table import Table
 
     from grouprl.data import load_samples
     from grouprl.domains.radiology.synthetic.cxr import corpus, write_dataset
@@ -221,15 +233,9 @@ def run_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 
         curves[label] = out / key / "metrics.jsonl"
 
     console.rule(f"[bold]{steps}/{steps} held-out evaluation")
-    table = Table(title=f"held-out synthetic studies (n={len(samples)})",
-                  caption="reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
-                          "F1 = finding-level F1 against the generator's labels")
-    table.add_column("model")
-    for title, _ in TABLE_COLUMNS:
-        table.add_column(title, justify="right")
-    for name, r in results.items():
-        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
-    console.print(table)
+    console.print(held_out_table(results, len(samples),
+                                 "reward = RadGraph F1 + CheXpert micro-F1 + RaTEScore (rule-based backends); "
+                                 "F1 = finding-level F1 against the generator's labels"))
     if quick:
         console.print(QUICK_NOTE)
 
@@ -452,7 +458,6 @@ def run_distill_demo(out: str | Path | None = None, *, quick: bool = False, seed
     the same steps, validated at the same steps; the held-out table SFT, SFT+GRPO, SFT+distill, and
     ``distill_summary.json``."""
     from rich.console import Console
-    from rich.table import Table
 
     from grouprl.data import load_samples
     from grouprl.models.loading import load_model_and_processor
@@ -477,15 +482,9 @@ def run_distill_demo(out: str | Path | None = None, *, quick: bool = False, seed
     sft_model, processor, _ = load_model_and_processor(str(out / "sft_model"))
     results = {"SFT": evaluate(sft_model, processor, samples), "SFT+GRPO": validated(out / "grpo"),
                "SFT+distill": validated(out / "distill")}
-    table = Table(title=f"held-out synthetic studies (n={len(samples)})",
-                  caption=f"SFT+distill: {sizes['grpo_steps']} steps of on-policy distillation (reverse KL to "
-                          "the SFT+GRPO model, no reward), as many as GRPO's")
-    table.add_column("model")
-    for title, _ in TABLE_COLUMNS:
-        table.add_column(title, justify="right")
-    for name, r in results.items():
-        table.add_row(name, *(f"{r[key]:.3f}" if key != "mean_words" else f"{r[key]:.1f}" for _, key in TABLE_COLUMNS))
-    console.print(table)
+    console.print(held_out_table(results, len(samples),
+                                 f"SFT+distill: {sizes['grpo_steps']} steps of on-policy distillation (reverse KL "
+                                 "to the SFT+GRPO model, no reward), as many as GRPO's"))
     kl = [r["distill/reverse_kl"] for r in map(json.loads, (out / "distill" / "metrics.jsonl").read_text().splitlines())
           if "distill/reverse_kl" in r]
     summary = {"teacher": str(teacher), "sizes": sizes, "seed": seed, "models": results,
