@@ -43,12 +43,12 @@ def _spoil(tensor, value):
 
 
 def _clip_options(name):
-    if name == "sapo":  # a gate, no clip: its options are its temperatures
-        return {}
-    options = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
-    if name == "vanilla":
-        options["clip_ratio_dual"] = 3.0
-    return options
+    """A clip range for the losses whose options class declares one (sapo's gate and reinforce have none)."""
+    from grouprl.algorithms import POLICY_LOSS_OPTIONS
+    from grouprl.algorithms.options import option_names
+
+    options = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_dual": 3.0}
+    return {k: v for k, v in options.items() if k in option_names(POLICY_LOSS_OPTIONS[name])}
 
 
 def _loss_and_grad(name, mode, log_prob, old, adv):
