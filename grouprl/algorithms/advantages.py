@@ -80,10 +80,20 @@ def advantage_estimator_options_class(name: str) -> type:
     return ADVANTAGE_ESTIMATOR_OPTIONS[name]
 
 
-def estimator_inputs(name: str) -> set[str]:
-    """The run-time inputs (``ADVANTAGE_ESTIMATOR_INPUTS``) that estimator ``name`` declares as parameters."""
+def estimator_inputs(name: str, options: dict | None = None) -> set[str]:
+    """The run-time inputs (``ADVANTAGE_ESTIMATOR_INPUTS``) that estimator ``name`` declares as parameters,
+    or with ``options`` those it needs under them: an options class may say so with a method
+    ``needed_inputs(self) -> set[str]`` (GRPO needs the batch std, a collective, only at std_level batch)."""
     params = inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters
-    return {p for p in ADVANTAGE_ESTIMATOR_INPUTS if p in params}
+    declared = {p for p in ADVANTAGE_ESTIMATOR_INPUTS if p in params}
+    needed = getattr(ADVANTAGE_ESTIMATOR_OPTIONS.get(name), "needed_inputs", None)
+    if options is None or needed is None:
+        return declared
+    try:
+        chosen = ADVANTAGE_ESTIMATOR_OPTIONS[name](**options)
+    except TypeError:  # options outside the class (an older keyword such as grpo's norm_by_std): assume all
+        return declared
+    return declared & set(needed(chosen))
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,10 @@ class GRPOOptions:
 
     std_level: str = "group"
     eps: float = 1e-6
+
+    def needed_inputs(self) -> set[str]:
+        """The batch std is computed over every process (a collective): only when this std level divides by it."""
+        return {"scores", "group_index", "response_mask"} | ({"batch_std"} if self.std_level == "batch" else set())
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def per_reward_advantages(
         raise TypeError("estimator_options: batch_std is computed per reward (pass batch_moments_fn) and "
                         "response_mask is its own argument")
     moments = batch_moments_fn or batch_moments
-    takes_batch_std = "batch_std" in estimator_inputs(estimator)
+    takes_batch_std = "batch_std" in estimator_inputs(estimator, options)
     token_level = _is_token_level(estimator)
     if token_level and response_mask is None:
         raise ValueError(f"advantage estimator {estimator!r} is token-level and needs response_mask")
@@ -128,7 +128,7 @@ def per_reward_advantages(
         rows = ~torch.isnan(scores[:, k])
         values = scores[rows, k]
         opts = dict(options)
-        if takes_batch_std:  # whatever the options make of it (grpo uses it at std_level batch)
+        if takes_batch_std:  # the estimator needs it under these options (grpo: std_level batch)
             _, std, n = moments(values)
             opts["batch_std"] = std if n > 1 else 1.0
         # every process calls batch_moments_fn for every reward, rows or none: it may be a collective

@@ -869,14 +869,14 @@ class GRPOTrainer(TrainingLoop):
                                      batch_moments_fn=functools.partial(batch_moments, accelerator=self.accelerator))
             if gdpo is not None:
                 return gdpo
-        inputs = algorithms.estimator_inputs(name)
+        inputs = algorithms.estimator_inputs(name, self.estimator_options)
         options: dict = {**self.estimator_options, "response_mask": batch.loss_mask}
         if "token_rewards" in inputs:
             if token_rewards is not None:
                 options["token_rewards"] = token_rewards
         elif token_rewards is not None:
             scores = scores + token_rewards.sum(-1)  # outcome estimators see the sequence's KL-adjusted return
-        if "batch_std" in inputs:  # every process's rows, whatever the options make of it: a collective
+        if "batch_std" in inputs:  # every process's rows: a collective, on every process alike
             options["batch_std"] = self._batch_std(scores)
         if "baseline_scores" in inputs:
             options["baseline_scores"] = self._greedy_baseline(batch)

@@ -107,3 +107,13 @@ def test_off_policy_masking_with_verls_bypass_mode_is_refused():
     with pytest.raises(ConfigError, match="off_policy_sequence_masking.delta': .*bypass_mode"):
         load_config(None, ["algorithm.off_policy_sequence_masking.delta=0.5",
                            "algorithm.rollout_correction.preset=bypass_ppo_clip"])
+
+
+def test_grpo_asks_for_the_cross_process_batch_std_only_at_std_level_batch():
+    """The batch std is a collective on every step: the estimator's options say when it is needed."""
+    from grouprl.algorithms import estimator_inputs
+
+    assert "batch_std" in estimator_inputs("grpo")  # declared
+    assert "batch_std" not in estimator_inputs("grpo", options("adv_estimator"))  # group: not needed
+    assert "batch_std" in estimator_inputs("grpo", options("adv_estimator", "algorithm.adv_std_level=batch"))
+    assert estimator_inputs("rloo", {}) == {"scores", "group_index"}
