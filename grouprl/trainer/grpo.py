@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from grouprl import algorithms
-from grouprl.config import ActorConfig, Config, ConfigError
+from grouprl.config import Config, ConfigError
 from grouprl.config.algorithm_options import resolve_options
 from grouprl.config.rollout_correction import resolve_verl_correction
 from grouprl.rewards import RewardResult
@@ -111,11 +111,10 @@ def reward_columns(batch: RolloutBatch) -> dict[str, list]:
 
 
 def grpo_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalisers, metrics: StepMetrics, *,
-              algorithm, actor: ActorConfig, loss_options: dict, bypass=None,
+              algorithm, loss_options: dict, bypass=None,
               entropy_control: EntropyControl | None = None):
     """The GRPO-family loss of one micro-batch (a ``run_update`` loss function, with the
-    ``algorithm`` and ``worker.actor`` config sections and the policy loss's resolved options
-    bound): the policy loss, plus the KL term when it is a loss, less ``entropy_control``'s
+    ``algorithm`` config section and the policy loss's resolved options bound): the policy loss, plus the KL term when it is a loss, less ``entropy_control``'s
     applied coefficient times the token-mean entropy (``algorithms.entropy_bonus``). Reports
     ``pg_loss`` and ``kl_loss``; records clip fractions, ratio, entropy and KL as token-weighted
     means. ``bypass`` (verl's bypass mode, a ``VerlRolloutCorrection``): the loss against the
@@ -540,7 +539,7 @@ class GRPOTrainer(TrainingLoop):
 
         # 4. the update; an engine with accelerator memory of its own (vLLM) gives it up
         # meanwhile, unless it is generating the next batch (one_step_off)
-        loss_fn = functools.partial(grpo_loss, algorithm=algo, actor=cfg.worker.actor, loss_options=self.loss_options,
+        loss_fn = functools.partial(grpo_loss, algorithm=algo, loss_options=self.loss_options,
                                     bypass=self.bypass, entropy_control=self.entropy_control)
         sleeping = self.engine.supports_sleep and not self.prefetcher.running
         if sleeping:

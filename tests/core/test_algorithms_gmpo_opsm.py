@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grouprl import algorithms
-from grouprl.config import (ActorConfig, AlgorithmConfig, ConfigError, OffPolicySequenceMaskingConfig,
+from grouprl.config import (AlgorithmConfig, ConfigError, OffPolicySequenceMaskingConfig,
                             config_from_dict)
 from grouprl.trainer.grpo import GRPOTrainer, grpo_loss
 from grouprl.trainer.metrics import StepMetrics
@@ -292,14 +292,12 @@ def test_grpo_loss_matches_trl_grpo(delta, unbiased):
     algorithm = AlgorithmConfig(kl_coef=0.05, loss_agg_mode="seq-mean-token-mean", kl_penalty="k3",
                                 unbiased_kl=unbiased)
     algorithm.off_policy_sequence_masking.delta = delta
-    actor = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=None)
     norms = Normalisers(num_tokens=float(mask.sum()), num_seqs=float(B), norm_len=float(R))
     metrics = StepMetrics()
 
     def ours():
         mb = micro_batch(log_prob, old, ref, adv, mask, rollout=nan_padding(sampler, mask))
-        return grpo_loss(mb, log_prob, None, norms, metrics, algorithm=algorithm, actor=actor,
-                         loss_options={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_dual": None})[0]
+        return grpo_loss(mb, log_prob, None, norms, metrics, algorithm=algorithm, loss_options={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_dual": None})[0]
 
     def theirs():
         inputs = trl_inputs(old, adv, mask, ref_per_token_logps=ref, sampling_per_token_logps=sampler * mask)
@@ -336,8 +334,7 @@ def test_masking_reads_the_old_log_probs_without_the_engines_and_keeps_rollout_w
         mb.token_weights = token_weights
         if edited is not None:
             mb.edited = edited
-        return grpo_loss(mb, log_prob, None, norms, StepMetrics(), algorithm=algorithm, actor=ActorConfig(),
-                         loss_options={"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0})[0]
+        return grpo_loss(mb, log_prob, None, norms, StepMetrics(), algorithm=algorithm, loss_options={"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0})[0]
 
     def expected(sampler, token_weights=None):
         m = algorithms.off_policy_sequence_mask(adv[:, None].expand(B, R), log_prob, sampler, mask, delta=0.05)
@@ -364,7 +361,7 @@ def test_grpo_loss_takes_gmpos_own_clip_range():
                                           "policy_loss_options": {"clip_ratio_low": 0.1, "clip_ratio_high": 0.25}}})
     norms = Normalisers(num_tokens=float(mask.sum()), num_seqs=float(B), norm_len=float(R))
     loss = grpo_loss(micro_batch(log_prob, old, ref, adv, mask), log_prob, None, norms, StepMetrics(),
-                     algorithm=cfg.algorithm, actor=cfg.worker.actor,
+                     algorithm=cfg.algorithm,
                      loss_options=resolve_options(cfg, "policy_loss"))[0]
     close(loss, gmpo_direct(log_prob, old, adv, LENGTHS, 0.1, 0.25))
     assert not torch.allclose(loss, gmpo_direct(log_prob, old, adv, LENGTHS, 0.4, 0.4))

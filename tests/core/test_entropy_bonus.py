@@ -164,8 +164,7 @@ def _update_grads(model, batch, coef: float, micro: int, *, padding_free: bool =
     cfg = config_from_dict({"algorithm": {"loss_agg_mode": "seq-mean-token-mean"},
                             "worker": {"actor": {"entropy_coeff": coef}}})
     control = EntropyControl(coef, cfg.worker.actor.entropy_control)
-    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor,
-                                loss_options=resolve_options(cfg, "policy_loss"), entropy_control=control)
+    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, loss_options=resolve_options(cfg, "policy_loss"), entropy_control=control)
 
     def log_prob_fn(m, mb):
         return compute_log_probs(m, mb, micro_batch_size=len(mb), with_entropy=True, chunk_tokens=2,

@@ -190,8 +190,7 @@ def _update(trained, mode: str, **settings):
     from grouprl.trainer.update import UpdateSettings, run_update
 
     cfg = config_from_dict({"algorithm": {"loss_agg_mode": mode, "kl_coef": 0.1, "kl_penalty": "k2"}})
-    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=cfg.worker.actor,
-                                loss_options=resolve_options(cfg, "policy_loss"))
+    loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, loss_options=resolve_options(cfg, "policy_loss"))
     tokens: list[int] = []
 
     def log_prob_fn(model, mb):

@@ -100,14 +100,14 @@ def main() -> None:
         for c in (oracle_control, control):
             c.last_entropy = 0.0  # the adaptive gate open from the start (target above 0)
         (controls if controls is not None else []).extend([oracle_control, control])
-        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, loss_options=loss_options,
+        loss_fn = functools.partial(grpo_loss, algorithm=cfg.algorithm, loss_options=loss_options,
                                     entropy_control=control)
         bonus = control.applied() != 0
 
         # the oracle: the whole batch in one piece, one process, no wrapper
         oracle = copy.deepcopy(base)
         lp, ent = log_prob_fn(oracle, batch, bonus)
-        loss_fn_whole = functools.partial(grpo_loss, algorithm=cfg.algorithm, actor=a, loss_options=loss_options,
+        loss_fn_whole = functools.partial(grpo_loss, algorithm=cfg.algorithm, loss_options=loss_options,
                                           entropy_control=oracle_control)
         whole = Normalisers(num_tokens=float(batch.loss_mask.sum()), num_seqs=float(len(batch)), norm_len=7.0)
         loss, parts = loss_fn_whole(batch, lp, ent, whole, StepMetrics())
