@@ -17,6 +17,7 @@ status 2; ``grouprl --debug`` shows the traceback instead.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 
 
@@ -56,6 +57,35 @@ def check_installed(module: str, *, extra: str, needed_by: str) -> None:
         found = False
     if not found:
         raise MissingExtra(module, extra=extra, needed_by=needed_by)
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An optional module a feature needs, the grouprl extra that installs it, and who needs it (for messages)."""
+
+    module: str
+    extra: str
+    needed_by: str
+
+    def require(self) -> ModuleType:
+        return require(self.module, extra=self.extra, needed_by=self.needed_by)
+
+    def installed(self) -> bool:
+        try:
+            check_installed(self.module, extra=self.extra, needed_by=self.needed_by)
+        except MissingExtra:
+            return False
+        return True
+
+
+# The config settings that need an extra, keyed "dotted.key: value": the code that uses the feature
+# requires its entry, and `grouprl doctor` reads the same table to check a config before it runs.
+# (trainer.logger's backends carry theirs: grouprl.trainer.trackers.Backend.package / .extra.)
+FEATURE_EXTRAS: dict[str, Extra] = {
+    "worker.rollout.engine: vllm": Extra("vllm", "vllm", "worker.rollout.engine 'vllm'"),
+    "worker.rollout.verifier.backend: http": Extra("openai", "guided", "the http verifier"),
+    "kind: flow": Extra("diffusers", "diffusion", "the flow trainer (and `grouprl demo --flow`)"),
+}
 
 
 class ModelPathError(FileNotFoundError):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grouprl.config import DEFAULT_VERIFIER_TEMPLATE, ConfigError, VerifierConfig
+from grouprl.errors import FEATURE_EXTRAS
 from grouprl.registry import Registry
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, chat_completions_url
 # The final-answer rules live with the rewards (the format reward uses them too); re-exported here
@@ -59,6 +60,7 @@ from grouprl.rewards.rule_based import (  # noqa: F401
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "GROUPRL_VERIFIER_API_KEY"
+_HTTP_EXTRA = FEATURE_EXTRAS["worker.rollout.verifier.backend: http"]
 IMAGE_PLACEHOLDER = "[IMAGE]"
 NO_REFERENCE = "N/A"
 # The seed's closing sentence ("the rules above" are the system message's)
@@ -328,7 +330,7 @@ class HTTPVerifier(Verifier):
         # made now: a missing openai fails the build, not the first rollout
         self.endpoint = ChatEndpoint(config.base_url, api_key=self.api_key, timeout=config.timeout,
                                      max_retries=config.max_retries, connections=config.http_concurrency,
-                                     extra="guided", user="the http verifier")
+                                     extra=_HTTP_EXTRA.extra, user=_HTTP_EXTRA.needed_by)
         if PUBLISHED_VERIFIER.lower() in (config.model or "").lower() and \
                 self.prompt_template == DEFAULT_VERIFIER_TEMPLATE:
             logger.warning("verifier model %r was fine-tuned on the seed's teacher prompt, but grouprl's default "

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from grouprl.data.sample import Sample
+from grouprl.errors import FEATURE_EXTRAS
 from grouprl.models.inputs import (
     encode_prompts,
     left_pad,
@@ -63,7 +64,7 @@ from grouprl.rollout.vllm_capabilities import (
     weight_sync_path,
 )
 
-INSTALL_HINT = "pip install 'grouprl[vllm]'"
+INSTALL_HINT = f"pip install 'grouprl[{FEATURE_EXTRAS['worker.rollout.engine: vllm'].extra}]'"
 
 logger = logging.getLogger(__name__)
 

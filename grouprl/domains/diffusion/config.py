@@ -207,9 +207,9 @@ class FlowConfig(RunPaths):
 
 def require_diffusers() -> None:
     """Fail with the extra to install when diffusers is missing (the sampling math itself needs only torch)."""
-    from grouprl.errors import require
+    from grouprl.errors import FEATURE_EXTRAS
 
-    require("diffusers", extra="diffusion", needed_by="the flow trainer (and `grouprl demo --flow`)")
+    FEATURE_EXTRAS["kind: flow"].require()
 
 
 def sde_range(rollout: FlowRolloutConfig) -> tuple[int, int]:
