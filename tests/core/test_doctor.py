@@ -156,11 +156,16 @@ def test_reward_server_up_passes_and_down_blocks(project, server, capsys):
 
 
 def test_verifier_endpoint_up_passes_and_down_blocks(project, server, capsys):
-    verifier = ["worker.rollout.verifier.enable=true", "worker.rollout.verifier.backend=http",
+    # the seed's switch (use_http with backend auto) picks the http verifier, and its extra
+    verifier = ["worker.rollout.verifier.enable=true", "worker.rollout.verifier.use_http=true",
                 "worker.rollout.verifier.model=v"]
     code, report = run_json(capsys, project, *verifier, f"worker.rollout.verifier.base_url={server}/v1")
     (row,) = rows_for(report, "verifier")
     assert row["status"] == OK and code == 0
+    assert [r["status"] for r in rows_for(report, "extra [guided]")] == [OK]
+    code, report = run_json(capsys, project, "worker.rollout.verifier.use_http=true",
+                            f"worker.rollout.verifier.base_url={server}/v1")
+    assert rows_for(report, "verifier") == rows_for(report, "extra [guided]") == []  # not enabled: not needed
     code, report = run_json(capsys, project, *verifier,
                             f"worker.rollout.verifier.base_url=http://127.0.0.1:{free_port()}/v1")
     (row,) = rows_for(report, "verifier")
