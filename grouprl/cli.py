@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     anticipated = _anticipated()
     try:
-        # a command that reads a config (train, sft): its file and overrides, or its usage
-        if hasattr(args, "overrides") and (usage := _config_file(args)) is not None:
+        # a command that reads a config (train, sft): its file and overrides, or its usage (doctor: optional)
+        if hasattr(args, "overrides") and not getattr(args, "config_optional", False) \
+                and (usage := _config_file(args)) is not None:
             print(usage, file=sys.stderr)
             return 2
         return args.fn(args)

@@ -631,11 +631,8 @@ def print_table(rows: list[Row], file=None) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from grouprl.cli import _config_file
 
-    # the words are sorted as `grouprl train` sorts its own (EasyR1's config=FILE form too); none at
-    # all is the environment alone, not a usage error
-    args.config, args.overrides = (args.words[0], args.words[1:]) if args.words else (None, [])
-    if args.words:
-        _config_file(args)
+    if args.config is not None or args.overrides:
+        _config_file(args)  # sorted as `grouprl train` sorts them (EasyR1's config=FILE form too)
     rows = diagnose(args.config, args.overrides)
     if args.json:
         print(to_json(rows))
@@ -645,12 +642,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
-    # one positional for the file and the overrides: a config is optional here, so the config commands'
-    # "give a config file" usage (grouprl.cli._config_file when there is none) must not apply
-    p.add_argument("words", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
-                   help="a YAML config file and dotted overrides (none: the environment only)")
+    p.add_argument("config", nargs="?", help="YAML config file (none: the environment only)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. worker.rollout.engine=vllm")
     p.add_argument("--json", action="store_true", help="print {checks: [{check, status, detail}], summary} as JSON")
-    p.set_defaults(config_usage=f"usage: {p.prog} [CONFIG.yaml] [key=value ...] [--json]")
+    # without a config the doctor checks the environment: no "give a config file" usage (grouprl.cli.main)
+    p.set_defaults(config_optional=True, config_usage=f"usage: {p.prog} [CONFIG.yaml] [key=value ...] [--json]")
 
 
 DOCTOR = Command("check what would stop a run before it starts (versions, GPUs, extras, paths, rewards, servers); "

@@ -72,6 +72,9 @@ def test_table_is_printed_without_json(project, capsys, monkeypatch):
 
 
 def test_missing_data_file_is_a_blocker_naming_the_key(project, tmp_path, capsys):
+    # an override after --json is an override too, as for grouprl train
+    assert main(["doctor", str(project), "--json", f"data.val_files=[{tmp_path / 'nowhere.jsonl'}]"]) == 1
+    capsys.readouterr()
     code, report = run_json(capsys, project, f"data.val_files=[{tmp_path / 'nowhere.jsonl'}]")
     assert code == 1
     (row,) = rows_for(report, "data.val_files")
@@ -250,6 +253,25 @@ def test_unreadable_config_is_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("worker: {rollout: {nn: 3}}\n")
     assert main(["doctor", str(bad)]) == 2
+
+
+def test_gpus_nccl_and_backends_are_reported(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    class Props:
+        name, total_memory = "NVIDIA H200", 141 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    rows = {r.check: r for r in doctor.device_rows()}
+    assert rows["GPU 1"].detail == "NVIDIA H200, 141.0 GiB" and rows["NCCL"].detail == "2.27.3"
+    assert {r.status for r in rows.values()} == {OK}
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    rows = {r.check: r for r in doctor.device_rows()}
+    assert rows["distributed backends"].status == WARN and "nccl no" in rows["distributed backends"].detail
 
 
 def test_row_status_is_checked():
