@@ -216,6 +216,26 @@ def _all_installed(requirements: Iterable[str]) -> dict[str, str | None]:
     return out
 
 
+def python_row(owner: str, requires_python: str | None, version: str) -> Row | None:
+    """A blocker when Python ``version`` is outside ``owner``'s ``Requires-Python`` (None: it says nothing)."""
+    if not requires_python or _contains(requires_python, version):
+        return None
+    return Row(f"{owner} needs Python {requires_python}", BLOCKER, f"this is Python {version}")
+
+
+def flash_attn_row() -> Row | None:
+    """flash-attn imported, when installed: its compiled kernels are built against one torch, and a wheel
+    for another fails on import (an undefined symbol) although pip installed it without complaint."""
+    if installed_version(PACKAGES["flash-attn"]) is None:
+        return None
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as exc:  # noqa: BLE001 -- ImportError, OSError: whatever the loader says is the answer
+        return Row("flash-attn import", WARN, f"installed, but it does not import with torch "
+                                              f"{_versions_of(['torch']).get('torch', '?')}: {type(exc).__name__}: {exc}")
+    return None
+
+
 def conflicts_in_environment() -> list[Row]:
     """vLLM's own pins (read from its metadata: each release pins torch exactly) and grouprl's base
     requirements against what is installed, then :data:`KNOWN_CONFLICTS`; one ok row when all agree."""
@@ -226,6 +246,13 @@ def conflicts_in_environment() -> list[Row]:
         pinned = {n: v for n, v in _all_installed(reqs).items()
                   if n.lower() in ("torch", "torchvision", "torchaudio", "transformers", "xformers")}
         rows += requirement_rows(f"{vllm[0]} {vllm[1]}", reqs, pinned)
+    for dist in ([vllm[0]] if vllm is not None else []) + ["grouprl"]:
+        try:
+            row = python_row(dist, importlib.metadata.metadata(dist).get("Requires-Python"), platform.python_version())
+        except importlib.metadata.PackageNotFoundError:
+            row = None
+        rows += [row] if row is not None else []
+    rows += [r for r in [flash_attn_row()] if r is not None]
     grouprl_reqs = _distribution_requires("grouprl")
     rows += requirement_rows("grouprl", grouprl_reqs, _all_installed(r for r in grouprl_reqs if "extra" not in r),
                              unmet=WARN, missing=BLOCKER)

@@ -218,6 +218,26 @@ def test_extra_requirements_only_when_that_extra_is_asked_for():
     assert all(r.status == WARN for r in extra)
 
 
+def test_python_outside_a_packages_requires_python_is_a_blocker():
+    assert doctor.python_row("vllm", ">=3.11", "3.11.7") is None
+    assert doctor.python_row("vllm", None, "3.9.0") is None
+    row = doctor.python_row("vllm", ">=3.11", "3.10.4")
+    assert row.status == BLOCKER and row.check == "vllm needs Python >=3.11" and "3.10.4" in row.detail
+
+
+def test_flash_attn_that_does_not_import_warns(monkeypatch):
+    import sys
+
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda dists: ("flash-attn", "2.8.3") if "flash-attn" in dists else real(dists))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as a wheel built for another torch: import fails
+    row = doctor.flash_attn_row()
+    assert row.status == WARN and "does not import" in row.detail
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))
+    assert doctor.flash_attn_row() is None
+
+
 def test_known_conflicts_warn_only_for_the_versions_they_name():
     conflict = Conflict("vllm", "==0.24.*", "transformers", ">=5.24", "profiling fails", "docs/engines.md")
     assert conflict_rows({"vllm": "0.24.0", "transformers": "5.17.0"}, [conflict]) == []
