@@ -231,8 +231,9 @@ def flash_attn_row() -> Row | None:
     try:
         importlib.import_module("flash_attn")
     except Exception as exc:  # noqa: BLE001 -- ImportError, OSError: whatever the loader says is the answer
-        return Row("flash-attn import", WARN, f"installed, but it does not import with torch "
-                                              f"{_versions_of(['torch']).get('torch', '?')}: {type(exc).__name__}: {exc}")
+        torch_version = _versions_of(["torch"]).get("torch", "?")
+        return Row("flash-attn import", WARN, f"installed, but it does not import with torch {torch_version}: "
+                                              f"{type(exc).__name__}: {exc}")
     return None
 
 
@@ -288,7 +289,9 @@ def device_rows(needs_gpu: list[str] | None = None) -> list[Row]:
     else:
         for i in range(count):
             props = torch.cuda.get_device_properties(i)
-            rows.append(Row(f"GPU {i}", OK, f"{props.name}, {props.total_memory / 2**30:.1f} GiB"))
+            capability = (f", compute capability {props.major}.{props.minor}"
+                          if hasattr(props, "major") and hasattr(props, "minor") else "")
+            rows.append(Row(f"GPU {i}", OK, f"{props.name}, {props.total_memory / 2**30:.1f} GiB{capability}"))
         try:
             nccl = torch.cuda.nccl.version()
             rows.append(Row("NCCL", OK, ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
@@ -428,7 +431,8 @@ def model_path_row(key: str, path: str) -> Row:
         return Row(key, OK, f"{path} (hub id, in the local cache)")
     if _hub_offline():
         return Row(key, BLOCKER, f"{path}: no such local directory, and as a hub id it is not in the local cache "
-                                 "while HF_HUB_OFFLINE is set: download it first, or point the key at a local directory")
+                                 "while HF_HUB_OFFLINE is set: download it first, or point the key at a local "
+                                 "directory")
     return Row(key, WARN, f"{path}: no such local directory; as a hub id it is not in the local cache, so it is "
                           "downloaded at the start (offline, with HF_HUB_OFFLINE=1, it must be cached first)")
 
@@ -539,7 +543,8 @@ def server_rows(config: Any, timeout: float = HEALTH_TIMEOUT) -> list[Row]:
 def _reward_specs(config: Any) -> list[tuple[str, Any]]:
     out = []
     for section in ("functions", "val_functions"):
-        out += [(f"worker.reward.{section}[{i}]", s) for i, s in enumerate(_get(config, f"worker.reward.{section}") or [])]
+        specs = _get(config, f"worker.reward.{section}") or []
+        out += [(f"worker.reward.{section}[{i}]", spec) for i, spec in enumerate(specs)]
     return out
 
 

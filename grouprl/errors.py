@@ -3,6 +3,8 @@
 - :class:`MissingExtra`: an optional dependency is not installed; the message names the
   extra that installs it (``pip install 'grouprl[server]'``). A ``ModuleNotFoundError``,
   so ``except ImportError`` clauses keep working.
+  :data:`FEATURE_EXTRAS`: which config settings need which extra (an :class:`Extra` each),
+  read by the code that requires it and by `grouprl doctor`.
 - :class:`ModelPathError`: a model path that holds no model (missing, or a grouprl
   checkpoint or run directory where a model directory was expected). A
   ``FileNotFoundError``.
@@ -84,7 +86,8 @@ class Extra:
 # (trainer.logger's backends carry theirs: grouprl.trainer.trackers.Backend.package / .extra.)
 FEATURE_EXTRAS: dict[str, Extra] = {
     "worker.rollout.engine: vllm": Extra("vllm", "vllm", "worker.rollout.engine 'vllm'"),
-    "worker.rollout.verifier.enable: True, worker.rollout.verifier.resolved_backend: http": Extra("openai", "guided", "the http verifier"),
+    "worker.rollout.verifier.enable: True, worker.rollout.verifier.resolved_backend: http":
+        Extra("openai", "guided", "the http verifier"),
     "kind: flow": Extra("diffusers", "diffusion", "the flow trainer (and `grouprl demo --flow`)"),
 }
 
