@@ -88,12 +88,23 @@ def test_missing_model_directory_is_a_blocker(project, tmp_path, capsys):
     assert row["status"] == BLOCKER and "does not exist" in row["detail"]
 
 
-def test_hub_id_not_cached_warns_online_and_blocks_offline(project, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    assert doctor.model_path_row("k", "some-org/some-model").status == WARN
+def test_hub_id_in_the_cache_passes_else_warns_online_and_blocks_offline(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    # a hub cache as huggingface_hub lays it out: refs/main names the snapshot that holds the files
+    cache = tmp_path / "hub"
+    repo = cache / "models--some-org--cached-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert doctor.model_path_row("k", "some-org/some-model").status == BLOCKER
+    assert doctor.model_path_row("k", "some-org/cached-model").status == OK
+    assert doctor.model_path_row("k", "some-org/other-model").status == BLOCKER
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    row = doctor.model_path_row("k", "some-org/other-model")
+    assert row.status == WARN and "not in the local cache" in row.detail
 
 
 def test_unknown_reward_is_a_blocker_naming_it(project, capsys):
