@@ -397,11 +397,6 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _looks_local(path: str) -> bool:
-    # Hub ids are "name" or "org/name" (as grouprl.models.loading reads them); anything else is a path.
-    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-
-
 def model_path_row(key: str, path: str) -> Row:
     """A model path: a readable local model directory, or a hub id found in the local cache
     (not cached: a warning, a blocker when ``HF_HUB_OFFLINE`` forbids the download)."""
@@ -422,6 +417,8 @@ def model_path_row(key: str, path: str) -> Row:
         if unreadable:
             return Row(key, BLOCKER, f"{path}/{unreadable[0]}: no permission to read it")
         return Row(key, OK, f"{path} (local, {held[0]})")
+    from grouprl.models.loading import _looks_local  # the loader's own rule: "org/name" is a hub id
+
     if _looks_local(path):
         return Row(key, BLOCKER, f"{path} does not exist")
     from huggingface_hub import try_to_load_from_cache
@@ -502,7 +499,8 @@ def reward_rows(config: Any) -> list[Row]:
     return rows
 
 
-def http_health(url: str, timeout: float = HEALTH_TIMEOUT, headers: Mapping[str, str] | None = None) -> tuple[str, str]:
+def http_health(url: str, timeout: float = HEALTH_TIMEOUT,
+                headers: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(status, detail) of ``GET url``: 2xx ok, another 4xx a warning (it answers, but not that), else a blocker."""
     import httpx
 
