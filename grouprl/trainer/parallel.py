@@ -235,13 +235,25 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_fsdp(model, precision: Precision, device: torch.device):
+def offload_policy(device: torch.device):
+    """FSDP2's ``CPUOffloadPolicy`` for a mesh on ``device``: host memory pinned (faster, asynchronous
+    copies to and from the accelerator) only where there is an accelerator to copy to; torch cannot
+    pin memory without one ("Found no NVIDIA driver on your system")."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def shard_fsdp(model, precision: Precision, device: torch.device, *, offload: bool = False):
     """Shard ``model`` in place with FSDP2 over all processes; returns it.
 
     Each module whose class is in ``model._no_split_modules`` (decoder layers, vision
     blocks) becomes its own unit, gathered only while it runs; the root holds the
     rest (embeddings, head). Mixed precision gathers parameters in the compute dtype
-    and reduces gradients in fp32.
+    and reduces gradients in fp32. ``offload`` (``worker.actor.offload``): every unit gets
+    :func:`offload_policy`, so the shards, their gradients and (built after this) the
+    optimizer state stay in host memory and the optimizer steps there; a unit's
+    parameters are copied to ``device`` for its forward and backward only.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -251,6 +263,8 @@ def shard_fsdp(model, precision: Precision, device: torch.device):
     options = {"mesh": mesh}
     if precision.mixed:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+    if offload:
+        options["offload_policy"] = offload_policy(device)
     unit_names = set(getattr(model, "_no_split_modules", None) or [])
     if not unit_names:
         raise ValueError(f"{type(model).__name__} names no _no_split_modules; cannot choose FSDP units")

@@ -115,7 +115,7 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
                               "(torchrun --nproc_per_node N -m grouprl train ...)")
         # sharded from host memory: each unit moves to the device as it is sharded, so no
         # process ever holds the whole model there
-        model = shard_fsdp(model, precision, accelerator.device)
+        model = shard_fsdp(model, precision, accelerator.device, offload=actor.offload.enabled)
     else:
         model = accelerator.prepare(model)
     return TrainedPolicy(model=model, policy=unwrap_model(model), processor=processor, is_vlm=is_vlm,
