@@ -6,7 +6,8 @@ on a two-process gloo mesh, the shards, gradients and AdamW state in host memory
 without offload; an offloaded run's checkpoint resuming to the uninterrupted run's weights and
 optimizer state; the reference model moved to the device for its forward only, its log-probs bit for
 bit those of a reference that never moves. GPU peak memory with and without offload is not measured
-here (no GPU)."""
+here (no GPU). On a CPU mesh the states are in host memory with or without offload; what tells the two
+apart there is the policy each FSDP unit holds."""
 
 from __future__ import annotations
 
@@ -183,42 +184,42 @@ def _fsdp_project(tmp_path: Path, **actor) -> Path:
                              "micro_batch_size_per_device_for_update": 1, **actor},
                    "rollout": {"n": 2}, "reward": {"functions": [{"name": "accuracy"}]}},
         "algorithm": {"kl_coef": 0.05},
-        "trainer": {"max_steps": 4, "save_freq": 2, "logger": ["jsonl"], "device": "cpu"},
+        "trainer": {"max_steps": 2, "save_freq": 1, "logger": ["jsonl"], "device": "cpu"},
     }
     config["worker"]["ref"] = {"offload": {"offload_params": True}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     return tmp_path / "config.yaml"
 
 
-def test_fsdp_units_get_cpu_offload_policy_and_keep_their_states_on_the_cpu(tmp_path, torchrun):
-    config = _fsdp_project(tmp_path)
+def test_offloaded_fsdp_run_keeps_its_states_on_the_cpu_and_resumes_exactly(tmp_path, torchrun, read_jsonl):
+    """Two processes train with the actor and the reference offloaded (the run is then inspected: every FSDP
+    unit holds CPUOffloadPolicy; shards, gradients and AdamW state on the CPU; a step equal to one without
+    offload); resuming its step-1 checkpoint reaches its step-2 weights and optimizer state."""
+    _fsdp_project(tmp_path)
     (tmp_path / "out").mkdir()
-    torchrun(str(HERE / "distributed" / "offload_check.py"), str(config), "out", cwd=tmp_path)
-    results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
-    for result in results:
+    torchrun(str(HERE / "distributed" / "offload_check.py"), "out", "config.yaml", "trainer.output_dir=full",
+             cwd=tmp_path)
+    for rank in range(2):
+        result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
         assert result["world"] == 2 and result["units"] >= 2  # decoder layers and the root
         assert all(p == {"offload": "CPUOffloadPolicy", "pin_memory": False, "param_dtype": "torch.bfloat16"}
                    for p in result["policies"]), result["policies"]
         assert result["param_devices"] == result["grad_devices"] == ["cpu"]
         assert result["optimizer_state_devices"] == ["cpu"] and result["optimizer_states"] > 0
         assert result["same_as_without_offload"]
-
-
-def test_offloaded_fsdp_run_saves_and_resumes_exactly(tmp_path, torchrun, read_jsonl):
-    _fsdp_project(tmp_path)
-    torchrun("-m", "grouprl", "train", "config.yaml", "trainer.output_dir=full", cwd=tmp_path)
-    torchrun("-m", "grouprl", "train", "config.yaml", "trainer.output_dir=resumed",
-             "trainer.resume=full/checkpoints/global_step_2", cwd=tmp_path)
     info = json.loads((tmp_path / "full" / "run_info.json").read_text())
     assert info["num_processes"] == 2 and info["strategy"] == "fsdp" and info["offload"] == ["actor", "ref"]
+
+    torchrun("-m", "grouprl", "train", "config.yaml", "trainer.output_dir=resumed",
+             "trainer.resume=full/checkpoints/global_step_1", cwd=tmp_path)
 
     def saved(run: str, step: int, name: str) -> dict[str, torch.Tensor]:
         return load_file(str(tmp_path / run / "checkpoints" / f"global_step_{step}" / name))
 
-    full, resumed = saved("full", 4, "model/model.safetensors"), saved("resumed", 4, "model/model.safetensors")
-    assert any(not torch.equal(full[k], v) for k, v in saved("full", 2, "model/model.safetensors").items())
+    full, resumed = saved("full", 2, "model/model.safetensors"), saved("resumed", 2, "model/model.safetensors")
+    assert any(not torch.equal(full[k], v) for k, v in saved("full", 1, "model/model.safetensors").items())
     assert full.keys() == resumed.keys() and all(torch.equal(resumed[k], full[k]) for k in full)
-    full_opt, resumed_opt = saved("full", 4, "optimizer.safetensors"), saved("resumed", 4, "optimizer.safetensors")
+    full_opt, resumed_opt = saved("full", 2, "optimizer.safetensors"), saved("resumed", 2, "optimizer.safetensors")
     assert full_opt and full_opt.keys() == resumed_opt.keys()
     assert all(torch.equal(resumed_opt[k], full_opt[k]) for k in full_opt)
-    assert [m["step"] for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [3, 4]
+    assert [m["step"] for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [2]
