@@ -87,6 +87,17 @@ def test_offload_policy_pins_host_memory_only_with_an_accelerator():
     assert offload_policy(torch.device("cuda", 0)) == CPUOffloadPolicy(pin_memory=True)
 
 
+def test_turning_offload_on_to_resume_is_not_a_changed_config():
+    # the run that ran out of memory resumes with offload on: where states wait changes nothing trained
+    from grouprl.trainer.resume_config import training_changes
+
+    off = {"worker": {"actor": {"offload": {"offload_params": False, "offload_optimizer": False}},
+                      "ref": {"offload": {"offload_params": False}}}}
+    on = {"worker": {"actor": {"offload": {"offload_params": True, "offload_optimizer": True}},
+                     "ref": {"offload": {"offload_params": True}}}}
+    assert training_changes(off, on) == []
+
+
 # ---------------------------------------------------------------------------- the reference model
 
 
