@@ -43,10 +43,25 @@ from grouprl.trainer.precision import Precision
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None):
+def process_group_backend(device: str, offload: bool) -> str | None:
+    """The process group's backends when grouprl must choose them, else None (Accelerate's choice).
+
+    Under FSDP2's CPU offload (``offload``) the gradient shards live in host memory, and clipping
+    their norm is a collective on CPU tensors, which NCCL cannot carry (torch: "No backend type
+    associated with device type cpu"): on GPUs the group then gets NCCL for GPU tensors and gloo for
+    CPU ones, as Accelerate does for its own FSDP offload. ``device``: ``trainer.device`` (on the
+    CPU the group is gloo already).
+    """
+    if offload and device != "cpu" and torch.cuda.is_available():
+        return "cuda:nccl,cpu:gloo"
+    return None
+
+
+def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None, *, offload: bool = False):
     """The run's ``accelerate.Accelerator`` (every trainer makes it here): on the CPU when
     ``trainer.device`` says so, its process group waiting at most ``trainer.distributed_timeout``
-    seconds in a collective (see the module docstring), with ``kwargs_handlers`` beside that."""
+    seconds in a collective (see the module docstring), with ``kwargs_handlers`` beside that.
+    ``offload``: the policy will be sharded with CPU offload (:func:`process_group_backend`)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -56,7 +71,9 @@ def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None
         raise ConfigError(f"config key 'trainer.distributed_timeout' must be seconds > 0; got {timeout!r}")
     # Only used when this Accelerator starts the process group; one started before keeps its own.
     _TIMEOUT[0] = float(timeout)
-    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)), *(kwargs_handlers or [])]
+    backend = process_group_backend(trainer.device, offload)
+    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout), **({"backend": backend} if backend else {}))
+    handlers = [group, *(kwargs_handlers or [])]
     return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
 
 
@@ -330,6 +347,10 @@ def full_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
 
     for name, param in unwrap_model(model).named_parameters():
         full = getattr(param, "full_tensor", None)
+        if full is not None and param.device.type != param.device_mesh.device_type:
+            # an offloaded shard (worker.actor.offload) waits in host memory: gathered on the mesh's
+            # device, as torch's own state-dict gathering does
+            full = param.to(param.device_mesh.device_type).full_tensor
         yield name, (full() if full is not None else param).detach()
 
 

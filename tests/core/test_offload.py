@@ -98,6 +98,19 @@ def test_turning_offload_on_to_resume_is_not_a_changed_config():
     assert training_changes(off, on) == []
 
 
+def test_offloaded_gpu_runs_get_gloo_beside_nccl_for_the_host_gradients(monkeypatch):
+    # clipping the norm of gradient shards in host memory is a collective on CPU tensors, which NCCL
+    # cannot carry: GPU processes that offload get gloo for those (Accelerate's own choice for its offload)
+    from grouprl.trainer.parallel import process_group_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert process_group_backend("auto", offload=True) == process_group_backend("cuda", True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda", offload=False) is None  # Accelerate's NCCL
+    assert process_group_backend("cpu", offload=True) is None  # gloo already
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert process_group_backend("auto", offload=True) is None
+
+
 # ---------------------------------------------------------------------------- the reference model
 
 
