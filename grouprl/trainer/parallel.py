@@ -72,7 +72,8 @@ def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None
     # Only used when this Accelerator starts the process group; one started before keeps its own.
     _TIMEOUT[0] = float(timeout)
     backend = process_group_backend(trainer.device, offload)
-    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout), **({"backend": backend} if backend else {}))
+    chosen = {"backend": backend} if backend else {}
+    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout), **chosen)
     handlers = [group, *(kwargs_handlers or [])]
     return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
 

@@ -69,7 +69,8 @@ def test_easyr1_example_offloads_once_its_strategy_is_fsdp(monkeypatch, tmp_path
 def test_easyr1_fsdp_cpu_offload_keys_read_as_offload(enable, given, expected):
     cfg = load_config(None, ["worker.actor.strategy=fsdp", f"worker.actor.fsdp.enable_cpu_offload={enable}",
                              f"worker.actor.offload.offload_params={given}",
-                             f"worker.ref.fsdp.enable_cpu_offload={enable}", f"worker.ref.offload.offload_params={given}"])
+                             f"worker.ref.fsdp.enable_cpu_offload={enable}",
+                             f"worker.ref.offload.offload_params={given}"])
     assert cfg.worker.actor.offload.offload_params is expected and cfg.worker.ref.offload.offload_params is expected
 
 
@@ -174,12 +175,17 @@ def test_offloaded_reference_moves_for_its_forward_and_gives_the_same_log_probs(
             "algorithm.kl_coef": 0.1, "worker.ref.offload.offload_params": offload, "trainer.max_steps": 1,
             "trainer.seed": 3, "worker.actor.global_batch_size": 4}))
         trainer = GRPOTrainer(config)
-        assert trainer.ref_model.offload is offload and trainer.run_info_extras()["offload"] == (["ref"] if offload else [])
+        assert trainer.ref_model.offload is offload
+        assert trainer.run_info_extras()["offload"] == (["ref"] if offload else [])
         trainer.ref_model.model._is_reference = True
         reference = trainer._reference_log_probs
         seen[offload] = []
-        monkeypatch.setattr(trainer, "_reference_log_probs",
-                            lambda batch, reference=reference, out=seen[offload]: out.append(reference(batch)) or out[-1])
+
+        def recording(batch, reference=reference, out=seen[offload]):
+            out.append(reference(batch))
+            return out[-1]
+
+        monkeypatch.setattr(trainer, "_reference_log_probs", recording)
         moves.clear()
         trainer.train()
         assert moves == ([str(trainer.accelerator.device), "cpu"] if offload else [])
