@@ -111,6 +111,11 @@ def validate(config: Config) -> None:
     if actor.strategy == "fsdp" and model.lora.rank > 0:
         raise ConfigError("config key 'worker.actor.strategy': fsdp with LoRA ('worker.actor.model.lora.rank' > 0) "
                           "is not supported yet; LoRA adapters are small enough for ddp")
+    if actor.offload.enabled and actor.strategy != "fsdp":
+        key = "offload_params" if actor.offload.offload_params else "offload_optimizer"
+        raise ConfigError(f"config key 'worker.actor.offload.{key}': CPU offload goes through FSDP2's "
+                          f"CPUOffloadPolicy and needs 'worker.actor.strategy: fsdp' (launched with torchrun); "
+                          f"got {actor.strategy!r}")
     if len(actor.optim.betas) != 2:
         raise ConfigError(f"config key 'worker.actor.optim.betas' needs two numbers; got {actor.optim.betas}")
     if config.worker.reward.functions and config.worker.reward.reward_function:

@@ -189,7 +189,19 @@ def _rename(key, target, easyr1) -> PortedKey:
 
 _LAUNCHER = "grouprl takes the process count from the launcher (torchrun / accelerate launch)"
 _FSDP = ("grouprl shards with torch FSDP2 when worker.actor.strategy is fsdp and holds the reference "
-         "policy as the actor's starting weights (or the actor with LoRA off); no CPU offload")
+         "policy as the actor's starting weights (or the actor with LoRA off); CPU offload is "
+         "worker.actor.offload / worker.ref.offload")
+
+
+def _cpu_offload(target: str) -> Callable[[Any, dict], dict[str, Any]]:
+    # EasyR1 has two switches for one place: FSDP's own CPU offload (fsdp.enable_cpu_offload) and
+    # moving the states out between phases (offload.offload_params); either keeps the weights off
+    # the GPU while unused, so grouprl offloads when either is on (true wins over the other's false).
+    return lambda value, _: {target: True} if value is True else {}
+
+
+def _bool_refuse(value: Any, _: dict) -> str | None:
+    return None if isinstance(value, bool) else f"expects true or false, got {value!r}"
 
 PORTED_KEYS: tuple[PortedKey, ...] = (
     # ---------------------------------------------------------------- data
@@ -238,8 +250,11 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
     _note("worker.actor.ulysses_sequence_parallel_size", "Ulysses sequence-parallel degree (EasyR1 < 0.3)",
           "grouprl has no sequence parallelism; each process holds whole sequences",
           refuse=lambda v, _: None if v in (None, 1) else "grouprl has no sequence parallelism (use 1)"),
-    _note("worker.actor.fsdp", "FSDP sharding and CPU offload of the actor", _FSDP),
-    _note("worker.actor.offload", "offload of the actor's parameters and optimizer to CPU", _FSDP),
+    # before the section's note below, which takes whatever this leaves under worker.actor.fsdp
+    _map("worker.actor.fsdp.enable_cpu_offload", "FSDP's own CPU offload of the actor's parameters, gradients "
+         "and optimizer step", "true sets worker.actor.offload.offload_params (FSDP2's CPUOffloadPolicy)",
+         _cpu_offload("worker.actor.offload.offload_params"), refuse=_bool_refuse, overrides=True),
+    _note("worker.actor.fsdp", "FSDP sharding of the actor", _FSDP),
     _map("worker.actor.loss_avg_mode", "token: mean over all tokens; seq: mean per response, then over responses",
          "algorithm.loss_agg_mode (token-mean / seq-mean-token-mean)",
          _choice(_LOSS_AVG, "algorithm.loss_agg_mode"), refuse=_choice_refuse(_LOSS_AVG)),
@@ -284,8 +299,13 @@ PORTED_KEYS: tuple[PortedKey, ...] = (
          "temperature -> worker.rollout.val_temperature, top_p -> worker.rollout.val_top_p, "
          "n -> worker.rollout.val_n; validation samples with no top_k", _val_override, refuse=_val_override_refuse),
     # ---------------------------------------------------------------- worker.ref, worker.reward, worker
-    _note("worker.ref.fsdp", "FSDP sharding and CPU offload of the reference model", _FSDP),
-    _note("worker.ref.offload", "offload of the reference model to CPU", _FSDP),
+    # grouprl's reference is whole on each process, not sharded: offloaded, it moves to the accelerator
+    # whole for its forward, where FSDP's offload streams one unit at a time (a higher peak, noted)
+    _map("worker.ref.fsdp.enable_cpu_offload", "FSDP's own CPU offload of the reference model",
+         "true sets worker.ref.offload.offload_params (the whole reference visits the accelerator for "
+         "its forward, not one FSDP unit at a time)",
+         _cpu_offload("worker.ref.offload.offload_params"), refuse=_bool_refuse, overrides=True),
+    _note("worker.ref.fsdp", "FSDP sharding of the reference model", _FSDP),
     _note("worker.ref.strategy", "the reference model's parallelism", _FSDP),
     _note("worker.hybrid_engine", "actor and rollout share the GPUs (Ray)",
           "grouprl always generates and trains in the same processes"),

@@ -281,6 +281,33 @@ class EntropyControlConfig:
 
 
 @dataclass
+class ActorOffloadConfig:
+    """The actor's weights and optimizer state kept in host memory (EasyR1's keys; needs ``strategy: fsdp``).
+
+    Either switch hands every FSDP2 unit torch's ``CPUOffloadPolicy``: the parameter shards, their
+    gradients and the AdamW state live on the CPU, the optimizer step runs there, and each unit's
+    parameters visit the accelerator only while its forward or backward runs. FSDP2 keeps optimizer
+    state beside its parameter shards, so one cannot be offloaded without the other: either key turns
+    on both (docs/distributed.md, "CPU offload").
+    """
+
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.offload_params or self.offload_optimizer
+
+
+@dataclass
+class RefOffloadConfig:
+    """``offload_params``: the reference model is kept on the CPU and moved to the accelerator for each of
+    its forwards (EasyR1's key); it changes where it lives, never what it computes."""
+
+    offload_params: bool = False
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -314,6 +341,7 @@ class ActorConfig:
     # the loss mask, whatever the loss_agg_mode (TRL's entropy_coef); the adaptive start under entropy_control
     entropy_coeff: float = 0.0
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    offload: ActorOffloadConfig = field(default_factory=ActorOffloadConfig)
 
 
 @dataclass
@@ -546,6 +574,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     model_path: str | None = None  # None: the policy's starting weights (or the policy with LoRA off)
+    offload: RefOffloadConfig = field(default_factory=RefOffloadConfig)
 
 
 @dataclass

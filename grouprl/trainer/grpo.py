@@ -364,10 +364,16 @@ class GRPOTrainer(TrainingLoop):
         self.estimator_options = resolve_options(config, "adv_estimator")
         self.loss_options = resolve_options(config, "policy_loss")
         self.uses_lora = actor.model.lora.rank > 0
-        self.ref_model = None
+        self.ref_model = None  # a FrozenModel: on the CPU between its forwards when worker.ref.offload says so
         if config.algorithm.kl_coef > 0 and not self.uses_lora:
+            from grouprl.models.frozen import FrozenModel
+
             # with LoRA the reference is the policy with adapters off: no second copy
-            self.ref_model = self._frozen_copy(config.worker.ref.model_path or actor.model.model_path)
+            offload = config.worker.ref.offload.offload_params
+            self.ref_model = FrozenModel(
+                self._frozen_copy(config.worker.ref.model_path or actor.model.model_path,
+                                  device="cpu" if offload else None),
+                device=self.accelerator.device, offload=offload)
         self.teacher = None
         if config.algorithm.distilling:
             from grouprl.trainer.teacher import Teacher
@@ -445,13 +451,14 @@ class GRPOTrainer(TrainingLoop):
                 f"{', '.join(global_transforms)} chooses rows across the whole batch (EditGRPO's "
                 "'algorithm.force_gt_num' or 'worker.rollout.extractor_num_para' > 0); use sync, or num_para -1")
 
-    def _frozen_copy(self, path: str):
-        """The model at ``path`` in the precision's frozen dtype, on this process's device, never trained."""
+    def _frozen_copy(self, path: str, device: str | None = None):
+        """The model at ``path`` in the precision's frozen dtype, on ``device`` (None: this process's), never
+        trained."""
         from grouprl.models.loading import load_model_and_processor
 
         model, _, _ = load_model_and_processor(path, dtype=self.precision.frozen_dtype,
                                                trust_remote_code=self.config.worker.actor.model.trust_remote_code)
-        return model.requires_grad_(False).eval().to(self.accelerator.device)
+        return model.requires_grad_(False).eval().to(device or self.accelerator.device)
 
     def _sync_rollout_weights(self) -> None:
         """Give the engine the trained weights (a collective for a sharded policy)."""
@@ -466,7 +473,11 @@ class GRPOTrainer(TrainingLoop):
 
     def run_info_extras(self) -> dict:
         return {"strategy": self.config.worker.actor.strategy,
-                "rollout_weights": "copy" if self.engine.holds_weights else "policy"}
+                "rollout_weights": "copy" if self.engine.holds_weights else "policy",
+                # what waits in host memory (worker.actor.offload, worker.ref.offload)
+                "offload": [name for name, on in (("actor", self.config.worker.actor.offload.enabled),
+                                                  ("ref", self.ref_model is not None and self.ref_model.offload))
+                            if on]}
 
     # ------------------------------------------------------------------ one step
 
@@ -826,7 +837,8 @@ class GRPOTrainer(TrainingLoop):
     @torch.no_grad()
     def _reference_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._log_probs(self.ref_model, batch)
+            with self.ref_model.on_device() as ref_model:
+                return self._log_probs(ref_model, batch)
         with self.policy.disable_adapter():
             return self._log_probs(self.model, batch)
 

@@ -43,10 +43,25 @@ from grouprl.trainer.precision import Precision
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None):
+def process_group_backend(device: str, offload: bool) -> str | None:
+    """The process group's backends when grouprl must choose them, else None (Accelerate's choice).
+
+    Under FSDP2's CPU offload (``offload``) the gradient shards live in host memory, and clipping
+    their norm is a collective on CPU tensors, which NCCL cannot carry (torch: "No backend type
+    associated with device type cpu"): on GPUs the group then gets NCCL for GPU tensors and gloo for
+    CPU ones, as Accelerate does for its own FSDP offload. ``device``: ``trainer.device`` (on the
+    CPU the group is gloo already).
+    """
+    if offload and device != "cpu" and torch.cuda.is_available():
+        return "cuda:nccl,cpu:gloo"
+    return None
+
+
+def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None, *, offload: bool = False):
     """The run's ``accelerate.Accelerator`` (every trainer makes it here): on the CPU when
     ``trainer.device`` says so, its process group waiting at most ``trainer.distributed_timeout``
-    seconds in a collective (see the module docstring), with ``kwargs_handlers`` beside that."""
+    seconds in a collective (see the module docstring), with ``kwargs_handlers`` beside that.
+    ``offload``: the policy will be sharded with CPU offload (:func:`process_group_backend`)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -56,7 +71,10 @@ def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None
         raise ConfigError(f"config key 'trainer.distributed_timeout' must be seconds > 0; got {timeout!r}")
     # Only used when this Accelerator starts the process group; one started before keeps its own.
     _TIMEOUT[0] = float(timeout)
-    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)), *(kwargs_handlers or [])]
+    backend = process_group_backend(trainer.device, offload)
+    chosen = {"backend": backend} if backend else {}
+    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout), **chosen)
+    handlers = [group, *(kwargs_handlers or [])]
     return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
 
 
@@ -235,13 +253,25 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_fsdp(model, precision: Precision, device: torch.device):
+def offload_policy(device: torch.device):
+    """FSDP2's ``CPUOffloadPolicy`` for a mesh on ``device``: host memory pinned (faster, asynchronous
+    copies to and from the accelerator) only where there is an accelerator to copy to; torch cannot
+    pin memory without one ("Found no NVIDIA driver on your system")."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def shard_fsdp(model, precision: Precision, device: torch.device, *, offload: bool = False):
     """Shard ``model`` in place with FSDP2 over all processes; returns it.
 
     Each module whose class is in ``model._no_split_modules`` (decoder layers, vision
     blocks) becomes its own unit, gathered only while it runs; the root holds the
     rest (embeddings, head). Mixed precision gathers parameters in the compute dtype
-    and reduces gradients in fp32.
+    and reduces gradients in fp32. ``offload`` (``worker.actor.offload``): every unit gets
+    :func:`offload_policy`, so the shards, their gradients and (built after this) the
+    optimizer state stay in host memory and the optimizer steps there; a unit's
+    parameters are copied to ``device`` for its forward and backward only.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -251,6 +281,8 @@ def shard_fsdp(model, precision: Precision, device: torch.device):
     options = {"mesh": mesh}
     if precision.mixed:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+    if offload:
+        options["offload_policy"] = offload_policy(device)
     unit_names = set(getattr(model, "_no_split_modules", None) or [])
     if not unit_names:
         raise ValueError(f"{type(model).__name__} names no _no_split_modules; cannot choose FSDP units")
@@ -316,6 +348,10 @@ def full_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
 
     for name, param in unwrap_model(model).named_parameters():
         full = getattr(param, "full_tensor", None)
+        if full is not None and param.device.type != param.device_mesh.device_type:
+            # an offloaded shard (worker.actor.offload) waits in host memory: gathered on the mesh's
+            # device, as torch's own state-dict gathering does
+            full = param.to(param.device_mesh.device_type).full_tensor
         yield name, (full() if full is not None else param).detach()
 
 

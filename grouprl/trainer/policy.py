@@ -101,7 +101,8 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
     precision = run_precision(actor.model, actor.optim.strategy)
     model, processor, is_vlm = build_policy(actor.model, precision)
     find_unused = is_vlm and has_trainable_vision_tower(model)
-    accelerator = make_accelerator(trainer, [DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
+    accelerator = make_accelerator(trainer, [DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
+                                   offload=actor.strategy == "fsdp" and actor.offload.enabled)
     if trainer.device == "cuda" and accelerator.device.type != "cuda":
         raise ConfigError("config key 'trainer.device' is cuda but no CUDA device is available")
     sharded = actor.strategy == "fsdp"
@@ -115,7 +116,7 @@ def setup_policy(actor: ActorConfig, trainer: TrainerConfig) -> TrainedPolicy:
                               "(torchrun --nproc_per_node N -m grouprl train ...)")
         # sharded from host memory: each unit moves to the device as it is sharded, so no
         # process ever holds the whole model there
-        model = shard_fsdp(model, precision, accelerator.device)
+        model = shard_fsdp(model, precision, accelerator.device, offload=actor.offload.enabled)
     else:
         model = accelerator.prepare(model)
     return TrainedPolicy(model=model, policy=unwrap_model(model), processor=processor, is_vlm=is_vlm,

@@ -35,6 +35,7 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
     "worker.rollout.gpu_memory_utilization", "worker.rollout.enforce_eager", "worker.rollout.tensor_parallel_size",
     "worker.rollout.max_num_batched_tokens", "worker.rollout.enable_chunked_prefill",
     "worker.rollout.enable_sleep_mode", "worker.rollout.static_cache",
+    "worker.actor.offload", "worker.ref.offload",  # where states wait (host memory or the GPU)
     # how a server is reached (a restarted job's reward server has another address), not what it scores
     "worker.reward.reward_server", "worker.reward.server_batch_size", "worker.reward.server_max_concurrency",
     "worker.reward.server_timeout", "worker.reward.server_retries", "worker.reward.timeout",

@@ -10,13 +10,11 @@ padding-free and chunked paths included. The per-token advantage is
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from grouprl.algorithms.distillation import mix_advantages, reverse_kl_advantages
 from grouprl.config import ConfigError, TeacherConfig
+from grouprl.models.frozen import FrozenModel
 from grouprl.models.inputs import tokenizer_of
 from grouprl.trainer.metrics import StepMetrics
 
@@ -51,16 +49,11 @@ def tokenizer_difference(student, teacher) -> str | None:
     return None
 
 
-class Teacher:
+class Teacher(FrozenModel):
     """A frozen model (``requires_grad`` False, eval mode) that scores the student's samples.
 
     ``offload``: the weights live on the CPU and visit ``device`` for each use (:meth:`on_device`).
     """
-
-    def __init__(self, model, *, device: torch.device | str, offload: bool = False):
-        self.model = model.requires_grad_(False).eval()
-        self.device, self.offload = torch.device(device), offload
-        self.model.to("cpu" if offload else self.device)
 
     @classmethod
     def load(cls, config: TeacherConfig, *, student_processor, frozen_dtype: torch.dtype,
@@ -84,17 +77,6 @@ class Teacher:
                               f"the student's ({difference}); distillation scores the student's token ids, "
                               "so the two must share one")
         return cls(model, device=device, offload=config.offload)
-
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[torch.nn.Module]:
-        """The model on ``device`` for the block; back on the CPU after it when offloading."""
-        if self.offload:
-            self.model.to(self.device)
-        try:
-            yield self.model
-        finally:
-            if self.offload:
-                self.model.to("cpu")
 
 
 def distillation_advantages(reward_advantages: torch.Tensor | None, teacher_log_probs: torch.Tensor,

@@ -401,7 +401,8 @@ def test_the_adaptive_coefficient_moves_each_step_and_survives_a_resume(say_task
 
 def test_easyr1s_entropy_coeff_loads_and_trls_names_point_to_the_keys():
     cfg = load_config(HERE / "configs" / "easyr1_config_v0.2.yaml",
-                      ["worker.reward.compute_score=null", "worker.reward.reward_function=math.py:compute_score"])
+                      ["worker.reward.compute_score=null", "worker.reward.reward_function=math.py:compute_score",
+                       "worker.actor.strategy=fsdp"])  # EasyR1's strategy, which its offload keys need
     assert cfg.worker.actor.entropy_coeff == 1e-3 and not cfg.worker.actor.entropy_control.adaptive
     with pytest.raises(ConfigError, match=r"TRL's GRPOConfig name: use worker\.actor\.entropy_control\.target"):
         load_config(None, ["entropy_target=0.3"])

@@ -17,6 +17,9 @@ HERE = Path(__file__).resolve().parent
 EASYR1 = HERE / "configs" / "easyr1_config.yaml"
 EASYR1_V02 = HERE / "configs" / "easyr1_config_v0.2.yaml"
 EXAMPLES = HERE.parents[1] / "examples"
+# EasyR1's one strategy is FSDP, and its examples offload the actor (worker.actor.offload), which grouprl
+# does through FSDP2: they load with grouprl's strategy set to fsdp (without it: tests/core/test_offload.py)
+AS_EASYR1 = ["worker.actor.strategy=fsdp"]
 
 
 def _notes(path, overrides=()):
@@ -39,13 +42,13 @@ def wandb_installed(tmp_path, monkeypatch):
 def test_easyr1_example_loads_as_shipped_with_its_prompt_template():
     # format_prompt rewrites every prompt (math.jinja asks for \boxed{} answers the reward reads):
     # it is kept, and read when the data is (tests/core/test_data.py renders EasyR1's math.jinja)
-    cfg = load_config(EASYR1)
+    cfg = load_config(EASYR1, AS_EASYR1)
     assert cfg.data.format_prompt == "./examples/format_prompt/math.jinja"
 
 
 def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     with caplog.at_level(logging.WARNING, logger="grouprl.config.ported_keys"):
-        cfg = load_config(EASYR1)
+        cfg = load_config(EASYR1, AS_EASYR1)
     # mapped onto grouprl's keys
     assert cfg.trainer.resume == "auto"  # find_last_checkpoint: true, no load_checkpoint_path
     assert cfg.trainer.logger == ["jsonl", "wandb"]  # EasyR1's "file" logger
@@ -62,14 +65,17 @@ def test_easyr1_example_loads_with_mapped_values_and_notes(caplog):
     assert cfg.worker.reward.reward_function == "./examples/reward_function/math.py:compute_score"
     # online filtering's keys are grouprl's too (read when algorithm.online_filtering is on)
     assert cfg.algorithm.mean_filter == ("overall", 0.01, 0.99) and not cfg.algorithm.online_filtering
-    assert load_config(EASYR1, ["algorithm.online_filtering=true"]).algorithm.online_filtering
+    assert load_config(EASYR1, [*AS_EASYR1, "algorithm.online_filtering=true"]).algorithm.online_filtering
     assert cfg.trainer.total_epochs == 15 and cfg.trainer.save_limit == 3
+    # its offload keys are grouprl's; the reference's FSDP offload reads as grouprl's reference offload
+    assert cfg.worker.actor.offload.offload_params and cfg.worker.actor.offload.offload_optimizer
+    assert cfg.worker.ref.offload.offload_params
     # every foreign key said something, one line each, on the logger
     logged = [r.getMessage() for r in caplog.records]
     assert all("\n" not in line and line.startswith("grouprl: config key ") for line in logged)
     noted = _noted_keys(line.removeprefix("grouprl: ") for line in logged)
-    assert {"data.filter_overlong_prompts", "algorithm.disable_kl", "worker.actor.ulysses_size", "worker.actor.fsdp", "worker.actor.offload", "worker.ref.fsdp",
-            "worker.ref.offload", "worker.rollout.val_override_config", "trainer.n_gpus_per_node",
+    assert {"data.filter_overlong_prompts", "algorithm.disable_kl", "worker.actor.ulysses_size", "worker.actor.fsdp", "worker.ref.fsdp",
+            "worker.ref.fsdp.enable_cpu_offload", "worker.rollout.val_override_config", "trainer.n_gpus_per_node",
             "trainer.nnodes", "trainer.load_checkpoint_path", "trainer.find_last_checkpoint",
             "trainer.logger", "trainer.max_try_make_batch", "trainer.save_model_only"} <= noted
     assert not {"algorithm.filter_key", "algorithm.filter_low", "algorithm.filter_high"} & noted
@@ -82,7 +88,7 @@ def test_easyr1_before_0_3_loads_once_its_builtin_scorer_is_replaced():
     msg = str(exc.value)
     assert "worker.reward.compute_score" in msg
     assert "entropy_coeff" not in msg  # its entropy bonus is grouprl's worker.actor.entropy_coeff
-    cfg = load_config(EASYR1_V02, ["worker.reward.compute_score=null",
+    cfg = load_config(EASYR1_V02, [*AS_EASYR1, "worker.reward.compute_score=null",
                                    "worker.reward.reward_function=math.py:compute_score"])
     assert cfg.worker.actor.entropy_coeff == 1e-3
     assert cfg.trainer.total_epochs == 15  # total_episodes

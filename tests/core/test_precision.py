@@ -65,7 +65,7 @@ def test_mixed_precision_keeps_fp32_masters_and_bf16_copies(setup, tmp_path):
     assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
     states = [s for s in trainer.optimizer.state.values() if s]
     assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
-    assert all(p.dtype == torch.bfloat16 for p in trainer.ref_model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.ref_model.model.parameters())
     # generation samples from a bf16 copy that follows the trained master weights
     copy = dict(trainer.engine.model.named_parameters())
     assert trainer.engine.holds_weights and trainer.engine.model is not trainer.policy
