@@ -1,0 +1,161 @@
+"""Two nodes on one machine: two torchrun node launchers (``--nnodes 2 --nproc_per_node 1``) meeting
+through a c10d rendezvous on localhost, one process each, gloo on the CPU.
+
+Each launcher is a subprocess in a session of its own, as a node's launcher is its own machine's:
+a signal to one reaches that node's worker only, and the test can end each whole tree. The tests
+check the world size and the nodes the run really had (run_info.json's ``processes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+HERE = Path(__file__).parent
+SIGNALLING_REWARD = HERE / "distributed" / "signalling_reward.py"
+HANG_REWARDS = HERE / "distributed" / "hang_rewards.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def two_nodes(*args: str, cwd: Path, env: dict | None = None) -> Iterator[list[subprocess.Popen]]:
+    """``torchrun --nnodes 2 --nproc_per_node 1 --node_rank N ... -m grouprl *args`` for N = 0 and 1, started
+    at once; yields both launchers (node 0's first) and, leaving, kills whatever of them still runs."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SIGNAL_PLAN")}
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    port, run_id = free_port(), uuid.uuid4().hex[:12]
+    launchers = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                   "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}",
+                   "--rdzv_id", run_id, "-m", "grouprl", *args]
+            launchers.append(subprocess.Popen(cmd, cwd=cwd, env=environ, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, start_new_session=True))
+        yield launchers
+    finally:
+        for proc in launchers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+def finish(proc: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The launcher's completed process, once it has exited (a generous bound: the job must end by itself)."""
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_two_nodes(*args: str, cwd: Path, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Both launchers run to their end; their completed processes, node 0's first."""
+    with two_nodes(*args, cwd=cwd, env=env) as launchers:
+        return [finish(proc) for proc in launchers]
+
+
+def output(done: list[subprocess.CompletedProcess]) -> str:
+    return "\n".join(f"--- node {n}:\n{p.stdout[-3000:]}{p.stderr[-5000:]}" for n, p in enumerate(done))
+
+
+def assert_two_nodes(run: Path) -> None:
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["num_processes"] == 2 and info["num_nodes"] == 2, info
+    assert [(p["rank"], p["node"], p["local_rank"], p["num_nodes"]) for p in info["processes"]] == \
+        [(0, 0, 0, 2), (1, 1, 0, 2)], info
+    assert all(p["host"] == socket.gethostname() for p in info["processes"])
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"global_step_{step}" / "model" / "model.safetensors"))
+
+
+def test_two_node_launchers_train_stop_on_sigterm_to_one_and_resume_exactly(say_task, tmp_path):
+    """Node 1's launcher gets SIGTERM while step 2 is scored: torchrun forwards it to its worker, the
+    stop is agreed with node 0's worker at the step boundary, both save step 2 and both launchers
+    exit. Resumed on both nodes, step 3's weights are those of a run that was never stopped."""
+    task = say_task(2)
+    values = task.config(tmp_path / "run", [{"name": f"{SIGNALLING_REWARD}:length_and_signals"}], **{
+        "worker.rollout.n": 2, "worker.actor.global_batch_size": 2, "trainer.max_steps": 3,
+        "trainer.save_freq": -1, "trainer.logger": ["jsonl"], "trainer.device": "cpu"})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(values))
+
+    full = run_two_nodes("train", "config.yaml", "trainer.output_dir=full", "trainer.save_freq=2", cwd=tmp_path)
+    assert [p.returncode for p in full] == [0, 0], output(full)
+    assert_two_nodes(tmp_path / "full")
+
+    # the reward of rank 1 (node 1) signals its parent, node 1's launcher, once step 1 is logged
+    plan = {"metrics": str(tmp_path / "stopped" / "metrics.jsonl"), "after_step": 1,
+            "signals": [int(signal.SIGTERM)], "rank": 1, "target": "parent"}
+    stopped = run_two_nodes("train", "config.yaml", "trainer.output_dir=stopped", cwd=tmp_path,
+                        env={"SIGNAL_PLAN": json.dumps(plan)})
+    text = output(stopped)
+    assert all(p.returncode != 0 for p in stopped), text  # torchrun's own status for a worker that ended so
+    assert "SIGTERM received" in stopped[1].stderr and "SIGTERM received" not in stopped[0].stderr, text
+    assert "stopped by SIGTERM after step 2" in stopped[0].stdout, text  # said by rank 0, on node 0
+    run = tmp_path / "stopped"
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2"], text
+    assert_two_nodes(run)
+    from grouprl.trainer import checkpoint as ckpt
+
+    assert len(ckpt.load_state_dict(run / "checkpoints" / "global_step_2", "rng")["processes"]) == 2
+
+    resumed = run_two_nodes("train", "config.yaml", "trainer.output_dir=stopped", "trainer.resume=auto", cwd=tmp_path)
+    assert [p.returncode for p in resumed] == [0, 0], output(resumed)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    middle, uninterrupted, after_resume = weights(tmp_path / "full", 2), weights(tmp_path / "full", 3), weights(run, 3)
+    assert any(not torch.equal(uninterrupted[k], middle[k]) for k in uninterrupted)  # step 3 trained
+    assert all(torch.equal(weights(run, 2)[k], middle[k]) for k in middle)  # the stop saved step 2 as it was
+    for key in uninterrupted:
+        assert torch.equal(after_resume[key], uninterrupted[key]), key
+
+
+def test_a_frozen_node_ends_the_job_naming_the_node(say_task, tmp_path):
+    """Node 1's worker stops itself (SIGSTOP) in its reward: node 0's worker fails in the update's
+    collective after trainer.distributed_timeout, naming its own node and the frozen one's."""
+    task = say_task(4)
+    pid_file = tmp_path / "frozen.pid"
+    config = task.config(tmp_path / "run", [{"name": f"{HANG_REWARDS}:freeze_rank_one",
+                                             "kwargs": {"pid_file": str(pid_file)}}], **{
+        "data.rollout_batch_size": 2, "worker.rollout.n": 2, "worker.actor.global_batch_size": 2,
+        "trainer.max_steps": 1, "trainer.device": "cpu", "trainer.logger": ["jsonl"],
+        "trainer.distributed_timeout": 10})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    with two_nodes("train", "config.yaml", cwd=tmp_path) as launchers:
+        try:
+            done = [finish(launchers[0])]
+        finally:
+            # node 1's launcher waits on its frozen worker (on a cluster the scheduler ends the job when a
+            # node fails: srun --kill-on-bad-exit, a PyTorchJob's failed replica): end that worker, and with it
+            # the launcher
+            if pid_file.exists():
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        done.append(finish(launchers[1]))
+    text = output(done)
+    assert pid_file.exists(), text  # node 1's worker did freeze
+    assert done[0].returncode != 0, text
+    host = socket.gethostname()
+    assert (f"CollectiveFailure: rank 0 of 2 (node 0 of 2, host {host}): a collective failed at step 1, "
+            "train > update") in done[0].stderr, text
+    assert "trainer.distributed_timeout=10 s" in done[0].stderr, text
+    assert f"rank 1 (node 1 of 2, host {host}) was last at step 1, train > reward" in done[0].stderr, text
