@@ -159,3 +159,92 @@ def test_a_frozen_node_ends_the_job_naming_the_node(say_task, tmp_path):
             "train > update") in done[0].stderr, text
     assert "trainer.distributed_timeout=10 s" in done[0].stderr, text
     assert f"rank 1 (node 1 of 2, host {host}) was last at step 1, train > reward" in done[0].stderr, text
+
+
+# ---------------------------------------------------------------------------- the examples
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _expand(word: str, values: dict[str, str]) -> str:
+    """``word`` with its ``$NAME`` / ``${NAME}`` (shell) and ``$(NAME)`` (Kubernetes) references to
+    ``values``; a reference to anything else fails the test, naming it."""
+    import re
+
+    def value(match: re.Match) -> str:
+        name = next(g for g in match.groups() if g)
+        assert name in values, f"{word!r} refers to ${name}, which the test does not know"
+        return values[name]
+
+    return re.sub(r"\$\(([A-Z_]+)\)|\$\{([A-Z_]+)\}|\$([A-Z_]+)", value, word)
+
+
+def check_launch(words: list[str]) -> tuple:
+    """``torchrun [its options] -m grouprl [grouprl's arguments]`` parsed by torchrun's own parser and by
+    grouprl's (the config it names loads, with its overrides): (torchrun's args, grouprl's args)."""
+    from torch.distributed.run import get_args_parser
+
+    from grouprl.cli import build_parser
+    from grouprl.config import load_config
+
+    assert words[0] == "torchrun", words
+    launch = get_args_parser().parse_args(words[1:])
+    assert launch.module and launch.training_script == "grouprl", words
+    args = build_parser().parse_args(launch.training_script_args)
+    assert args.command == "train", words
+    config = Path(args.config)
+    assert not config.is_absolute() and (EXAMPLES.parent / config).is_file(), f"{config} is not in examples/"
+    assert config.parent.name == "examples"
+    load_config(EXAMPLES.parent / config, list(args.overrides))
+    return launch, args
+
+
+def test_the_slurm_example_launches_grouprl_on_two_nodes():
+    import shlex
+
+    text = (EXAMPLES / "slurm_multinode.sbatch").read_text()
+    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
+                      if line.startswith("#SBATCH --"))
+    assert directives["nodes"] == "2" and directives["ntasks-per-node"] == "1", directives  # a launcher per node
+    assert directives["gpus-per-node"] == "8" and directives["signal"].startswith("TERM@"), directives
+    # the srun line and its continuations, in the shell's words
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    command = ""
+    for line in lines[start:]:
+        command += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            break
+    words = shlex.split(command)
+    srun = words[:words.index("torchrun")]
+    assert "--kill-on-bad-exit=1" in srun, srun
+    # what Slurm and the script's exports give each task; RDZV_ENDPOINT is the job's first node
+    assert 'RDZV_ENDPOINT="$head_node:' in text and "scontrol show hostnames" in text
+    values = {"SLURM_JOB_NUM_NODES": "2", "RDZV_ENDPOINT": "node-a:29512", "SLURM_JOB_ID": "12"}
+    launch, args = check_launch([_expand(w, values) for w in words[len(srun):]])
+    assert launch.nnodes == "2" and launch.nproc_per_node == "8", launch
+    assert launch.rdzv_backend == "c10d" and launch.rdzv_endpoint == "node-a:29512", launch
+    assert args.config == "examples/chexpo_v2.yaml" and "trainer.resume=auto" in args.overrides
+
+
+def test_the_pytorchjob_example_launches_grouprl_on_two_nodes():
+    manifest = yaml.safe_load((EXAMPLES / "pytorchjob_multinode.yaml").read_text())
+    assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "PyTorchJob"
+    assert manifest["metadata"]["name"]
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert set(replicas) == {"Master", "Worker"}
+    assert sum(r["replicas"] for r in replicas.values()) == 2
+    for role, replica in replicas.items():
+        (container,) = [c for c in replica["template"]["spec"]["containers"] if c["name"] == "pytorch"]
+        assert container["image"], role
+        assert container["workingDir"] == "/workspace", role  # the image holds the repository's examples/ there
+        assert {"name": "pytorchjob-port", "containerPort": 23456} in container["ports"], role
+        # the operator sets MASTER_ADDR (the Master's service) and MASTER_PORT in every replica
+        values = {"MASTER_ADDR": "grouprl-chexpo-master-0", "MASTER_PORT": "23456"}
+        launch, args = check_launch([_expand(w, values) for w in container["command"] + container.get("args", [])])
+        assert launch.nnodes == "2", role  # the replicas: one node launcher each
+        assert int(launch.nproc_per_node) == container["resources"]["limits"]["nvidia.com/gpu"], role
+        assert launch.rdzv_backend == "c10d" and launch.rdzv_endpoint == "grouprl-chexpo-master-0:23456", role
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        output = next(o.split("=", 1)[1] for o in args.overrides if o.startswith("trainer.output_dir="))
+        assert any(output.startswith(m + "/") for m in mounts), (role, output)  # on the shared volume
