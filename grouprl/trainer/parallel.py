@@ -68,9 +68,6 @@ def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None
     return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
 
 
-# ---------------------------------------------------------------------------- stages
-
-
 # ---------------------------------------------------------------------------- nodes
 
 
@@ -103,6 +100,9 @@ def process_layout(accelerator) -> list[dict]:
     from accelerate.utils import gather_object
 
     return sorted(gather_object([mine]), key=lambda p: p["rank"])
+
+
+# ---------------------------------------------------------------------------- stages
 
 
 class CollectiveFailure(RuntimeError):

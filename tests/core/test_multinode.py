@@ -87,6 +87,22 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"global_step_{step}" / "model" / "model.safetensors"))
 
 
+def test_a_process_names_its_node_from_the_launchers_environment(monkeypatch):
+    from grouprl.trainer.parallel import node_label, this_process
+
+    for name in ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    alone = this_process()
+    assert alone == {"rank": 0, "local_rank": None, "node": None, "num_nodes": None, "host": socket.gethostname()}
+    assert node_label(alone) == f"host {socket.gethostname()}"  # no launcher: the host alone
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    launched = this_process(11)
+    assert (launched["rank"], launched["local_rank"], launched["node"], launched["num_nodes"]) == (11, 3, 1, 2)
+    assert node_label(launched) == f"node 1 of 2, host {socket.gethostname()}"
+
+
 def test_two_node_launchers_train_stop_on_sigterm_to_one_and_resume_exactly(say_task, tmp_path):
     """Node 1's launcher gets SIGTERM while step 2 is scored: torchrun forwards it to its worker, the
     stop is agreed with node 0's worker at the step boundary, both save step 2 and both launchers
