@@ -66,7 +66,7 @@ from grouprl.trainer.best import BestRecord, best_path, improves, metric_value
 from grouprl.trainer.health import HealthWatch
 from grouprl.trainer.logging import MetricsLogger, RolloutWriter, samples_due
 from grouprl.trainer.metrics import SchemaFile, StepMetrics
-from grouprl.trainer.parallel import full_state_dicts, stage, staged
+from grouprl.trainer.parallel import full_state_dicts, process_layout, stage, staged
 from grouprl.trainer.resume_config import check_resume_config
 from grouprl.trainer.reward_metrics import UnscoredSteps
 from grouprl.trainer.signals import StopRequest, TrainingStopped, signal_name
@@ -272,11 +272,19 @@ class TrainingLoop(abc.ABC):
 
         return gather_object(records)
 
+    # every process's rank, local rank, node and host (parallel.process_layout), gathered once by train()
+    processes: list[dict] | None = None
+
     def run_info(self) -> dict:
-        """How this run is laid out (written to ``run_info.json``): processes, device, precision, async mode."""
+        """How this run is laid out (written to ``run_info.json``): processes, device, precision, async mode;
+        once ``train`` has gathered them, ``num_nodes`` and ``processes`` (each one's ``rank``, ``local_rank``,
+        ``node``: its node launcher's rank, ``num_nodes``, ``host``)."""
         info = {"num_processes": self.accelerator.num_processes, "device": str(self.accelerator.device),
                 "precision": self.precision.describe(), "async_mode": self.config.trainer.async_mode,
                 **self.run_info_extras()}
+        if self.processes is not None:
+            info["num_nodes"] = len({(p["host"], p["node"]) for p in self.processes})
+            info["processes"] = self.processes
         if self.best is not None:
             info["best"] = {**self.best.as_dict(), "path": str(best_path(self.config.checkpoint_dir).resolve())}
         return info
@@ -533,7 +541,8 @@ class TrainingLoop(abc.ABC):
         # 0. the checkpoint to resume, checked against this config before anything is written: a refused
         # resume leaves the run directory's config.yaml the one its checkpoints were trained with
         checkpoint = self.resume_checkpoint()
-        # 1. what the run is
+        # 1. what the run is (where every process runs: a collective, which every process reaches here)
+        self.processes = process_layout(self.accelerator)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")

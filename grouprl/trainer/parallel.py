@@ -22,7 +22,13 @@ part of a stage under way), turns torch's transport-level error into
 :class:`CollectiveFailure` naming this process, where it was (``step 3, train >
 update``) and where every other process last said it was (``rank 1 was last at step
 3, train > reward``: the stuck one is usually the one elsewhere). The failing process exits, and the launcher (torchrun, accelerate) ends
-the rest.
+the rest. On several nodes each process is named with its node as well (:func:`node_label`:
+``rank 1 (node 1 of 2, host gpu-b)``), so that the message says which machine to look at.
+
+Nodes. torchrun (and ``accelerate launch``, which runs it) starts one launcher per node and tells
+each worker its node's rank (``GROUP_RANK``) and the number of nodes (``GROUP_WORLD_SIZE``);
+:func:`this_process` reads them with the hostname, and :func:`process_layout` gathers every
+process's, which run_info.json records under ``processes``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import contextlib
 import datetime
 import functools
 import math
+import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any, Callable, ContextManager, TypeVar
@@ -78,19 +86,56 @@ def make_accelerator(trainer: TrainerConfig, kwargs_handlers: list | None = None
     return Accelerator(cpu=trainer.device == "cpu", kwargs_handlers=handlers)
 
 
+# ---------------------------------------------------------------------------- nodes
+
+
+def this_process(rank: int = 0) -> dict:
+    """Where this process runs: ``rank`` (given), ``local_rank`` (its place on its node), ``node``
+    (torchrun's ``GROUP_RANK``: its node launcher's rank; None when no launcher said), ``num_nodes``
+    (``GROUP_WORLD_SIZE``, None likewise) and ``host`` (the hostname)."""
+
+    def number(name: str) -> int | None:
+        value = os.environ.get(name, "")
+        return int(value) if value.strip().isdigit() else None
+
+    return {"rank": rank, "local_rank": number("LOCAL_RANK"), "node": number("GROUP_RANK"),
+            "num_nodes": number("GROUP_WORLD_SIZE"), "host": socket.gethostname()}
+
+
+def node_label(process: dict) -> str:
+    """``node 1 of 2, host gpu-b`` (``host gpu-b`` when no launcher named the node)."""
+    if process.get("node") is None:
+        return f"host {process['host']}"
+    of = f" of {process['num_nodes']}" if process.get("num_nodes") is not None else ""
+    return f"node {process['node']}{of}, host {process['host']}"
+
+
+def process_layout(accelerator) -> list[dict]:
+    """:func:`this_process` of every process, in rank order (a collective: every process calls it)."""
+    mine = this_process(accelerator.process_index)
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return sorted(gather_object([mine]), key=lambda p: p["rank"])
+
+
 # ---------------------------------------------------------------------------- stages
 
 
 class CollectiveFailure(RuntimeError):
     """A collective failed (timed out, or a peer vanished) while this process was in ``stage``.
 
-    ``rank``/``world_size``: this process; ``peers``: rank -> the stage that process last
-    reported (those that could be read), where the stuck process usually shows.
+    ``rank``/``world_size``: this process, ``node`` its :func:`node_label`; ``peers``: rank -> the
+    stage that process last reported (those that could be read), where the stuck process usually
+    shows; ``peer_nodes``: rank -> that process's :func:`node_label` (those that could be read).
     """
 
-    def __init__(self, message: str, *, rank: int, world_size: int, stage: str, peers: dict[int, str]):
+    def __init__(self, message: str, *, rank: int, world_size: int, stage: str, peers: dict[int, str],
+                 node: str = "", peer_nodes: dict[int, str] | None = None):
         super().__init__(message)
         self.rank, self.world_size, self.stage, self.peers = rank, world_size, stage, peers
+        self.node, self.peer_nodes = node, peer_nodes or {}
 
 
 class _Stages(threading.local):
@@ -103,6 +148,8 @@ class _Stages(threading.local):
 _STAGES = _Stages()
 _STEP: list[int | None] = [None]  # the training step under way (set by the loop's outermost stage)
 _STORE_KEY = "grouprl/stage/{rank}"
+_NODE_KEY = "grouprl/node/{rank}"
+_NODE_PUBLISHED: list[object] = [None]  # the store this process's node label was published in
 _TIMEOUT: list[float | None] = [None]  # trainer.distributed_timeout of this process's Accelerator, for messages
 
 
@@ -182,24 +229,32 @@ def _publish() -> None:
     if group is None or threading.current_thread() is not threading.main_thread():
         return
     try:
-        _store().set(_STORE_KEY.format(rank=group[0]), _where())
+        store = _store()
+        if _NODE_PUBLISHED[0] is not store:  # once per process group: the node does not change
+            store.set(_NODE_KEY.format(rank=group[0]), node_label(this_process(group[0])))
+            _NODE_PUBLISHED[0] = store
+        store.set(_STORE_KEY.format(rank=group[0]), _where())
     except Exception:  # noqa: BLE001 (the store is a diagnostic aid; the run must not depend on it)
         pass
 
 
-def _peer_stages(rank: int, world: int) -> dict[int, str]:
-    """rank -> last published stage of every other process that published one (store permitting)."""
+def _peer_stages(rank: int, world: int) -> tuple[dict[int, str], dict[int, str]]:
+    """(rank -> last published stage, rank -> node label) of every other process that published
+    them (store permitting)."""
     peers: dict[int, str] = {}
+    nodes: dict[int, str] = {}
     try:
         store = _store()
         store.set_timeout(datetime.timedelta(seconds=5))  # the job is failing: do not wait long for a diagnosis
         for r in range(world):
-            key = _STORE_KEY.format(rank=r)
-            if r != rank and store.check([key]):
-                peers[r] = store.get(key).decode()
+            if r == rank:
+                continue
+            for key, found in ((_STORE_KEY.format(rank=r), peers), (_NODE_KEY.format(rank=r), nodes)):
+                if store.check([key]):
+                    found[r] = store.get(key).decode()
     except Exception:  # noqa: BLE001
         pass
-    return peers
+    return peers, nodes
 
 
 _COLLECTIVE_SIGNS = ("timed out waiting", "connection closed by peer", "connection reset by peer",
@@ -222,15 +277,17 @@ def _is_collective_failure(exc: BaseException) -> bool:
 def _explain(exc: BaseException) -> CollectiveFailure:
     rank, world = _group()
     where = _where()
-    peers = _peer_stages(rank, world)
-    seen = "; ".join(f"rank {r} was last at {s}" for r, s in sorted(peers.items())) or \
-        "the other processes' stages are unknown"
+    node = node_label(this_process(rank))
+    peers, nodes = _peer_stages(rank, world)
+    seen = "; ".join(f"rank {r}{f' ({nodes[r]})' if r in nodes else ''} was last at {s}"
+                     for r, s in sorted(peers.items())) or "the other processes' stages are unknown"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     limit = f"={_TIMEOUT[0]:g} s" if _TIMEOUT[0] is not None else ""
-    message = (f"rank {rank} of {world}: a collective failed at {where} (it waits at most "
+    message = (f"rank {rank} of {world} ({node}): a collective failed at {where} (it waits at most "
                f"trainer.distributed_timeout{limit}, or a peer is gone): {seen}; a process stuck or frozen "
                f"elsewhere stops every other one. torch: {first}")
-    return CollectiveFailure(message, rank=rank, world_size=world, stage=where, peers=peers)
+    return CollectiveFailure(message, rank=rank, world_size=world, stage=where, peers=peers, node=node,
+                             peer_nodes=nodes)
 
 
 def has_trainable_vision_tower(model) -> bool:

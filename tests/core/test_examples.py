@@ -30,7 +30,9 @@ def _tiny_setup():
 
 
 tiny_setup = _tiny_setup()
-RECIPES = sorted(p.name for p in EXAMPLES.glob("*.yaml") if not tiny_setup.is_flow(p))
+# a Kubernetes manifest (apiVersion: the PyTorchJob of tests/core/test_multinode.py) is no recipe
+RECIPES = sorted(p.name for p in EXAMPLES.glob("*.yaml")
+                 if not tiny_setup.is_flow(p) and "apiVersion" not in (yaml.safe_load(p.read_text()) or {}))
 
 # What each recipe must say: the seeds' numbers (EditGRPO paper / launch script, CheX-Phi4MM train_loop.sh).
 EDITGRPO_COMMON = {

@@ -247,7 +247,8 @@ def test_only_a_transport_error_becomes_a_collective_failure(monkeypatch):
             parallel.mark("update")
             raise gloo
     assert err.value.rank == 0 and err.value.stage == "step 4, train > update"
-    assert str(err.value).startswith("rank 0 of 2: a collective failed at step 4, train > update")
+    node = parallel.node_label(parallel.this_process(0))  # e.g. "host vm", or "node 0 of 1, host vm" under torchrun
+    assert str(err.value).startswith(f"rank 0 of 2 ({node}): a collective failed at step 4, train > update")
     assert "Timed out waiting 10000ms" in str(err.value) and err.value.__cause__ is gloo
     with pytest.raises(RewardError, match="timed out"):
         with parallel.stage("train", step=4):

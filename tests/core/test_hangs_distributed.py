@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ def test_a_frozen_rank_ends_the_job_naming_the_rank_and_the_stages(say_task, tmp
                 pass
     assert pid_file.exists(), output[-4000:]  # process 1 did freeze
     assert proc.returncode != 0, output[-4000:]
-    assert "CollectiveFailure: rank 0 of 2: a collective failed at step 1, train > update" in output, output[-4000:]
+    node = f"node 0 of 1, host {socket.gethostname()}"  # torchrun's one node (two nodes: test_multinode.py)
+    assert f"CollectiveFailure: rank 0 of 2 ({node}): a collective failed at step 1, train > update" in output, \
+        output[-4000:]
     assert "trainer.distributed_timeout=10 s" in output
-    assert "rank 1 was last at step 1, train > reward" in output, output[-4000:]
+    assert f"rank 1 ({node}) was last at step 1, train > reward" in output, output[-4000:]
