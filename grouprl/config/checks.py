@@ -72,6 +72,14 @@ def validate(config: Config) -> None:
         if not 0 < getattr(rollout, key) <= 1:
             raise ConfigError(f"config key 'worker.rollout.{key}' must be in (0, 1]; got {getattr(rollout, key)}")
     _positive("worker.rollout.val_n", rollout.val_n)
+    from grouprl.rollout.tensor_parallel import check_tensor_parallel_layout, launch_world_size
+
+    # Under a launcher (WORLD_SIZE set) the layout is the run's: checked here, at load. Without one the
+    # config may only be read (an EasyR1 config as shipped, `grouprl plan`): the trainer checks it
+    # before it loads anything, for its one process.
+    if launch_world_size() is not None:
+        check_tensor_parallel_layout(rollout.tensor_parallel_size, engine=rollout.engine,
+                                     world_size=launch_world_size(), verifier=rollout.verifier.enable)
     from grouprl.trainer.task_metrics import check_task_metric_names  # domains register task metrics
 
     check_task_metric_names(config.trainer.val_metrics)

@@ -53,6 +53,14 @@ from grouprl.models.inputs import (
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import _eos_token_ids
+from grouprl.rollout.tensor_parallel import (
+    check_tensor_parallel_layout,
+    request_key,
+    rows_of_member,
+    tensor_parallel_group_index,
+    tensor_parallel_groups,
+    union_of_requests,
+)
 from grouprl.rollout.vllm_capabilities import (
     load_weights,
     platform_name,
@@ -135,10 +143,11 @@ def vllm_llm_kwargs(
     distributed: bool,
 ) -> dict[str, Any]:
     """The keyword arguments of the colocated ``vllm.LLM`` (checked here, before vLLM sees them)."""
-    if tensor_parallel_size != 1:
-        raise NotImplementedError(
-            f"worker.rollout.tensor_parallel_size={tensor_parallel_size}: the colocated vllm engine samples "
-            "with one GPU per training process (tensor_parallel_size: 1)")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"worker.rollout.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and not distributed:
+        raise ValueError(f"worker.rollout.tensor_parallel_size={tensor_parallel_size} shards vLLM over training "
+                         "processes, and this is one process: launch tensor_parallel_size (or a multiple) processes")
     if not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"worker.rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}; "
                          "the trainer shares the GPU")
@@ -456,6 +465,18 @@ class VLLMEngine(RolloutEngine):
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size() > 1)
         rank = torch.distributed.get_rank() if distributed else 0
+        world = torch.distributed.get_world_size() if distributed else 1
+        check_tensor_parallel_layout(tensor_parallel_size, engine="vllm", world_size=world)
+        self.tensor_parallel_size = tensor_parallel_size
+        # the processes sharing this engine (grouprl.rollout.tensor_parallel): a gloo group of their
+        # own for gathering prompts (Python objects, images included) whatever the trainer's backend
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                tensor_parallel_groups(world, tensor_parallel_size), backend="gloo")
+        # one seed per vLLM engine: each process's own with tp 1, the group's with tp > 1 (its shards
+        # must draw the same tokens)
+        engine_index = tensor_parallel_group_index(rank, tensor_parallel_size)
         max_model_len = (max_prompt_length or 0) + max_response_length
         if max_model_len <= max_response_length:
             raise ValueError("the vllm engine needs max_prompt_length (data.max_prompt_length) to size its context")
@@ -485,7 +506,7 @@ class VLLMEngine(RolloutEngine):
             model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            enable_sleep_mode=enable_sleep_mode, limit_images=limit_images, seed=seed + rank,
+            enable_sleep_mode=enable_sleep_mode, limit_images=limit_images, seed=seed + engine_index,
             takes_video=getattr(config, "video_token_id", None) is not None,
             trust_remote_code=trust_remote_code, distributed=distributed)
         self.llm_kwargs.update(llm_kwargs or {})
@@ -534,11 +555,22 @@ class VLLMEngine(RolloutEngine):
             self._images_checked = check_images_once(self.processor, self.model, samples)
         requests = [vllm_prompt(ids, sample.images, image_token_id=self.image_token_id)
                     for ids, sample in zip(rows, samples)]
-        sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(
-            params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i))
+        sampling = [vllm_sampling_kwargs(
+            params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i)
             for i in range(len(samples))]
+        members, me = [list(zip(requests, sampling))], 0
+        if self.tp_group is not None:
+            # every process of the group samples the group's prompts, in the same order, with the
+            # same seeds (one engine in tp shards); each takes back its own rows
+            members = [None] * self.tensor_parallel_size
+            torch.distributed.all_gather_object(members, list(zip(requests, sampling)), group=self.tp_group)
+            me = torch.distributed.get_rank(self.tp_group)
+        union, takes = union_of_requests(members, key=lambda pair: request_key(*pair))
         self._wake(("weights", "kv_cache"))
-        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        outputs = self.llm.generate([request for request, _ in union],
+                                    sampling_params=[VLLMSamplingParams(**kwargs) for _, kwargs in union],
+                                    use_tqdm=False) if union else []
+        outputs = rows_of_member(outputs, takes[me])
         return rollout_batch_from_vllm(
             outputs, samples=samples, prompt_ids=prompt_ids, prompt_mask=prompt_mask, model_inputs=inputs,
             n=params.n, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
