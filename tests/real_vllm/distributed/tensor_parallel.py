@@ -77,6 +77,7 @@ def main() -> None:
     result["executor_backend"] = parallel.distributed_executor_backend
     result["vllm_tensor_parallel_size"] = parallel.tensor_parallel_size
     result["weight_sync_path"] = engine.weight_sync_path
+    result["engine_seed"] = engine.llm_kwargs["seed"]  # the group's: unseeded requests draw alike on both shards
     # the shard this process holds: vLLM's MLP down projection (a row-parallel layer) takes its slice
     # of the inputs (its weight's shape says nothing on the CPU, where the kernel runs a packed copy)
     full = dict(policy.policy.named_parameters())["model.layers.0.mlp.down_proj.weight"]

