@@ -546,8 +546,6 @@ class VLLMEngine(RolloutEngine):
         if self._weights_discarded:
             raise RuntimeError("the vllm engine slept at level 2, which discards its weights; "
                                "call update_weights after wake_up and before generate")
-        from vllm import SamplingParams as VLLMSamplingParams
-
         prompt_ids, prompt_mask, inputs = self._encode(samples, prompts)
         rows = unpadded_rows(prompt_ids, prompt_mask)
         check_prompt_images(samples, rows, inputs, image_token_id=self.image_token_id, limit_images=self.limit_images)
@@ -558,24 +556,47 @@ class VLLMEngine(RolloutEngine):
         sampling = [vllm_sampling_kwargs(
             params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i)
             for i in range(len(samples))]
-        members, me = [list(zip(requests, sampling))], 0
+        outputs = self._group_generate(list(zip(requests, sampling)))
+        return rollout_batch_from_vllm(
+            outputs, samples=samples, prompt_ids=prompt_ids, prompt_mask=prompt_mask, model_inputs=inputs,
+            n=params.n, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            tokenizer=self.processor, return_log_probs=params.return_log_probs,
+            sent_prompts=[r["prompt_token_ids"] for r in requests])
+
+    @property
+    def group_calls(self) -> bool:
+        """Whether ``generate`` is a call of the whole tensor-parallel group (tp > 1).
+
+        Then every process of a group must call it as often as the others: a process with
+        no prompts left (an uneven share of the validation set) calls ``join_group_call``.
+        """
+        return self.tp_group is not None
+
+    def join_group_call(self) -> None:
+        """Take part in the group's ``generate`` call with no prompts of this process's own."""
         if self.tp_group is not None:
-            # every process of the group samples the group's prompts, in the same order, with the
-            # same seeds (one engine in tp shards); each takes back its own rows
+            self._group_generate([])
+
+    def _group_generate(self, mine: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
+        """vLLM's outputs for this process's ``(prompt, sampling kwargs)`` requests, in their order.
+
+        With tp > 1 every process of the group samples the group's requests (their union,
+        grouprl.rollout.tensor_parallel), in the same order with the same seeds, since the
+        group is one engine in tp shards; each takes back its own outputs.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        members, me = [mine], 0
+        if self.tp_group is not None:
             members = [None] * self.tensor_parallel_size
-            torch.distributed.all_gather_object(members, list(zip(requests, sampling)), group=self.tp_group)
+            torch.distributed.all_gather_object(members, mine, group=self.tp_group)
             me = torch.distributed.get_rank(self.tp_group)
         union, takes = union_of_requests(members, key=lambda pair: request_key(*pair))
         self._wake(("weights", "kv_cache"))
         outputs = self.llm.generate([request for request, _ in union],
                                     sampling_params=[VLLMSamplingParams(**kwargs) for _, kwargs in union],
                                     use_tqdm=False) if union else []
-        outputs = rows_of_member(outputs, takes[me])
-        return rollout_batch_from_vllm(
-            outputs, samples=samples, prompt_ids=prompt_ids, prompt_mask=prompt_mask, model_inputs=inputs,
-            n=params.n, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            tokenizer=self.processor, return_log_probs=params.return_log_probs,
-            sent_prompts=[r["prompt_token_ids"] for r in requests])
+        return rows_of_member(outputs, takes[me])
 
     def _encode(self, samples: list[Sample], prompts: list[EncodedPrompt] | None):
         if prompts is None:

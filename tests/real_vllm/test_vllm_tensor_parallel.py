@@ -35,6 +35,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "distributed" / "tensor_parallel.py"
@@ -91,3 +92,56 @@ def test_weight_update_reaches_both_shards(tp, device):
         assert got["tokens"] > 0 and got["max"] <= device.log_prob_atol and got["mean"] <= device.mean_atol, (rank, got)
         assert old["mean"] > 100 * device.mean_atol and old["max"] > 100 * device.log_prob_atol, (rank, old)
     assert len(tp[0]["calls"][2]) == 4
+
+
+REWARD = '''
+import zlib
+
+
+def varied(prompts, completions, **kwargs):
+    # a spread in every group (a stable function of the text), so that step 1 trains
+    return [(zlib.crc32(c.encode()) % 7) / 6 for c in completions]
+'''
+
+
+def test_two_process_training_with_tensor_parallel_vllm_keeps_sampler_and_trainer_in_step(
+        lm_path, device, torchrun, tmp_path, read_jsonl):
+    """``grouprl train`` under torchrun with tp 2: two steps and a validation before and after.
+
+    The validation set (3 prompts, 1 per call) is shared unevenly (rank 0: 2 calls, rank 1: 1):
+    rank 1 joins the group's second call with no prompts of its own, or the group would hang.
+    """
+    if device.name != "cpu":
+        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+    words = ["Heart", "size", "normal", "Mild", "cardiomegaly", "Lungs", "clear"]
+    records = [{"problem": f"Describe {w} {i}.", "answer": w} for i in range(2) for w in words][:8]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    (tmp_path / "varied.py").write_text(REWARD)
+    config = {
+        "data": {"train_files": ["train.jsonl"], "val_files": ["val.jsonl"], "val_batch_size": 1,
+                 "max_prompt_length": 48, "max_response_length": 6, "rollout_batch_size": 4},
+        "worker": {"actor": {"model": {"model_path": str(lm_path), "dtype": device.dtype}, "strategy": "fsdp",
+                             "optim": {"lr": 1e-2}, "global_batch_size": 4,
+                             "micro_batch_size_per_device_for_update": 4},
+                   "rollout": {"n": 2, "engine": "vllm", "tensor_parallel_size": 2,
+                               "enforce_eager": device.enforce_eager, "gpu_memory_utilization": 0.3,
+                               "max_num_batched_tokens": 512},
+                   "reward": {"functions": [{"name": "varied.py:varied"}]}},
+        "trainer": {"max_steps": 2, "logger": ["jsonl"], "device": "cpu", "output_dir": "run", "val_freq": 2,
+                    "val_before_train": True},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    torchrun("-m", "grouprl", "train", "config.yaml", cwd=tmp_path)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["num_processes"] == 2 and info["strategy"] == "fsdp"
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    train = [m for m in metrics if "mismatch/abs_log_prob_diff" in m]
+    assert [m["step"] for m in train] == [1, 2]
+    for m in train:
+        # the trainer's old log-probs (FSDP forward) against the sharded vLLM's, over both processes' tokens
+        assert m["mismatch/abs_log_prob_diff"] <= device.mean_atol, m
+    # step 1 changed the policy, so step 2's agreement is the synced shards', not the checkpoint's
+    assert train[0]["actor/grad_norm"] > 0
+    validations = [m for m in metrics if any(k.startswith("val/") for k in m)]
+    assert [m["step"] for m in validations] == [0, 2], [sorted(m) for m in metrics]
