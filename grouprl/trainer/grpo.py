@@ -1021,7 +1021,7 @@ class GRPOTrainer(TrainingLoop):
                 generations.extend({"completion": r, "reference": s.answer, "prompt": s.prompt_text(),
                                     "prompt_index": indices[start + int(g)], "columns": dict(s.columns)}
                                    for s, r, g in zip(batch.samples, batch.responses, batch.group_index))
-        if getattr(self.engine, "group_calls", False):
+        if self.engine.group_calls:
             # a tensor-parallel vLLM group generates together: a process with a smaller share (rank 0 has
             # the most) joins the group calls it has no prompts for
             most = -(-len(range(0, len(self.val_dataset), world)) // size)
