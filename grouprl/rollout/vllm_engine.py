@@ -586,12 +586,13 @@ class VLLMEngine(RolloutEngine):
         """
         from vllm import SamplingParams as VLLMSamplingParams
 
-        members, me = [mine], 0
-        if self.tp_group is not None:
+        if self.tp_group is None:
+            union, takes, me = mine, [list(range(len(mine)))], 0
+        else:
             members = [None] * self.tensor_parallel_size
             torch.distributed.all_gather_object(members, mine, group=self.tp_group)
             me = torch.distributed.get_rank(self.tp_group)
-        union, takes = union_of_requests(members, key=lambda pair: request_key(*pair))
+            union, takes = union_of_requests(members, key=lambda pair: request_key(*pair))
         self._wake(("weights", "kv_cache"))
         outputs = self.llm.generate([request for request, _ in union],
                                     sampling_params=[VLLMSamplingParams(**kwargs) for _, kwargs in union],
