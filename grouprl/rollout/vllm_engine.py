@@ -5,7 +5,9 @@
 The engine starts one colocated ``vllm.LLM`` per training process, on that
 process's GPU: ``distributed_executor_backend="external_launcher"`` when there are
 several training processes (each process samples its own prompts, as TRL's colocate mode
-and verl's SPMD rollout do) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the
+and verl's SPMD rollout do; with ``worker.rollout.tensor_parallel_size`` tp > 1 each group of
+tp processes is one engine in tp shards, sampling its members' prompts together:
+``grouprl.rollout.tensor_parallel``) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the
 engine core, and with it the model, lives in this process where
 ``update_weights`` can reach it. vLLM loads the checkpoint at
 ``worker.actor.model.model_path`` itself; after every training step the trainer
@@ -417,7 +419,7 @@ def rollout_batch_from_vllm(
 
 
 class VLLMEngine(RolloutEngine):
-    """vLLM in the training process, one engine per process and GPU, on its own copy of the weights.
+    """vLLM in the training process, one engine per process and GPU (or per tensor-parallel group), on its own weights.
 
     ``model`` is the policy as trained (plain, DDP, FSDP2 or LoRA): the engine reads
     its structure (names, LoRA layers, config) for the weight sync, never its
