@@ -12,72 +12,19 @@ gives every process its own prompts. So a group gathers its members' prompts, sa
 their union once, and each member takes back the rows of its own prompts.
 
 This module holds the arithmetic of that, as plain functions tested without vLLM or a
-process group: the layout check, the groups, and the union and the split. The engine
-does the collectives.
+process group: the groups, and the union and the split. The engine does the collectives;
+the layout a run may ask for is checked with the config
+(``grouprl.config.checks.check_tensor_parallel_layout``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from grouprl.config import ConfigError
-
 T = TypeVar("T")
-
-KEY = "worker.rollout.tensor_parallel_size"
-TP_ENGINES = ("vllm",)  # the engines that run tensor-parallel: only vLLM shards a model across processes
-
-
-def launch_world_size(environ: dict[str, str] | None = None) -> int | None:
-    """The number of training processes the launcher started (``WORLD_SIZE``; torchrun, accelerate), or None.
-
-    None when no launcher set it: a plain ``python``/``grouprl`` process, or a tool that
-    only reads the config (``grouprl plan``), where the layout is checked later, against
-    the process group the run actually has.
-    """
-    value = (os.environ if environ is None else environ).get("WORLD_SIZE")
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return None
-
-
-def check_tensor_parallel_layout(tensor_parallel_size: int, *, engine: str, world_size: int | None,
-                                 verifier: bool = False) -> None:
-    """Refuse a tensor-parallel layout that cannot run, with one line naming the key (ConfigError).
-
-    ``tp`` must be >= 1; ``tp > 1`` needs the vllm engine and single-call rollouts (a
-    verifier's dialogues make a different number of ``generate`` calls on each process,
-    and a group's processes must call together); with ``world_size`` known, ``tp`` must
-    be at most ``world_size`` and divide it (``world_size = tp * groups``).
-    """
-    tp = tensor_parallel_size
-    if tp < 1:
-        raise ConfigError(f"config key '{KEY}' must be >= 1; got {tp}")
-    if tp == 1:
-        return
-    if engine not in TP_ENGINES:
-        raise ConfigError(f"config key '{KEY}' is {tp}, but worker.rollout.engine {engine!r} samples on one device "
-                          f"per process; tensor-parallel rollouts need worker.rollout.engine: vllm")
-    if verifier:
-        raise ConfigError(f"config key '{KEY}' is {tp}, but worker.rollout.verifier.enable runs dialogues whose "
-                          "turns differ by process, and the processes of a tensor-parallel group must generate "
-                          "together; use tensor_parallel_size: 1 with the verifier")
-    if world_size is None:
-        return
-    if tp > world_size:
-        raise ConfigError(f"config key '{KEY}' is {tp}, more than the {world_size} training process(es): a "
-                          f"tensor-parallel group is made of training processes (launch at least {tp})")
-    if world_size % tp:
-        raise ConfigError(f"config key '{KEY}' ({tp}) must divide the number of training processes ({world_size}): "
-                          "each group of tp consecutive processes runs one vLLM engine")
-
 
 def tensor_parallel_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:
     """The ranks of each tensor-parallel group: group g is ranks ``[g*tp, ..., g*tp + tp - 1]``.
@@ -150,7 +97,5 @@ def request_key(request: dict[str, Any], sampling: dict[str, Any]) -> str | None
     return hashlib.sha256(pickle.dumps((request, sorted(sampling.items(), key=lambda kv: kv[0])))).hexdigest()
 
 
-__all__ = [
-    "TP_ENGINES", "check_tensor_parallel_layout", "launch_world_size", "request_key", "rows_of_member",
-    "tensor_parallel_group_index", "tensor_parallel_groups", "union_of_requests",
-]
+__all__ = ["request_key", "rows_of_member", "tensor_parallel_group_index", "tensor_parallel_groups",
+           "union_of_requests"]

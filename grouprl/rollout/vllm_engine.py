@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from grouprl.config.checks import check_tensor_parallel_layout
 from grouprl.data.sample import Sample
 from grouprl.models.inputs import (
     encode_prompts,
@@ -56,7 +57,6 @@ from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import _eos_token_ids
 from grouprl.rollout.tensor_parallel import (
-    check_tensor_parallel_layout,
     request_key,
     rows_of_member,
     tensor_parallel_group_index,

@@ -341,7 +341,7 @@ class GRPOTrainer(TrainingLoop):
 
         t, actor, roll = config.trainer, config.worker.actor, config.worker.rollout
         check_output_dirs(config)  # before the data and the model load
-        from grouprl.rollout.tensor_parallel import check_tensor_parallel_layout, launch_world_size
+        from grouprl.config.checks import check_tensor_parallel_layout, launch_world_size
 
         check_tensor_parallel_layout(roll.tensor_parallel_size, engine=roll.engine,
                                      world_size=launch_world_size() or 1, verifier=roll.verifier.enable)

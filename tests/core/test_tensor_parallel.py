@@ -12,9 +12,8 @@ import yaml
 
 from grouprl.cli import main
 from grouprl.config import ConfigError, load_config
+from grouprl.config.checks import check_tensor_parallel_layout, launch_world_size
 from grouprl.rollout.tensor_parallel import (
-    check_tensor_parallel_layout,
-    launch_world_size,
     request_key,
     rows_of_member,
     tensor_parallel_group_index,
