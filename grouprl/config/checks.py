@@ -7,6 +7,7 @@ when a config is checked, not when this module is imported.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from grouprl.config.schema import Config, ConfigError
@@ -72,6 +73,12 @@ def validate(config: Config) -> None:
         if not 0 < getattr(rollout, key) <= 1:
             raise ConfigError(f"config key 'worker.rollout.{key}' must be in (0, 1]; got {getattr(rollout, key)}")
     _positive("worker.rollout.val_n", rollout.val_n)
+    # Under a launcher (WORLD_SIZE set) the layout is the run's: checked here, at load. Without one the
+    # config may only be read (an EasyR1 config as shipped, `grouprl plan`): the trainer checks it
+    # before it loads anything, for its one process.
+    if launch_world_size() is not None:
+        check_tensor_parallel_layout(rollout.tensor_parallel_size, engine=rollout.engine,
+                                     world_size=launch_world_size(), verifier=rollout.verifier.enable)
     from grouprl.trainer.task_metrics import check_task_metric_names  # domains register task metrics
 
     check_task_metric_names(config.trainer.val_metrics)
@@ -286,3 +293,54 @@ def _check_verl_rollout_correction(config: Config) -> None:
                               f"'algorithm.policy_loss' is {config.algorithm.policy_loss!r}; use loss_type ppo_clip "
                               "(the configured loss with ratio pi_theta / pi_rollout) or drop policy_loss")
 
+
+# ---------------------------------------------------------------- tensor-parallel rollouts (docs/engines.md)
+TP_KEY = "worker.rollout.tensor_parallel_size"
+TP_ENGINES = ("vllm",)  # the engines that run tensor-parallel: only vLLM shards a model across processes
+
+
+def launch_world_size(environ: dict[str, str] | None = None) -> int | None:
+    """The number of training processes the launcher started (``WORLD_SIZE``; torchrun, accelerate), or None.
+
+    None when no launcher set it: a plain ``python``/``grouprl`` process, or a tool that
+    only reads the config (``grouprl plan``), where the layout is checked later, against
+    the process group the run actually has.
+    """
+    value = (os.environ if environ is None else environ).get("WORLD_SIZE")
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def check_tensor_parallel_layout(tensor_parallel_size: int, *, engine: str, world_size: int | None,
+                                 verifier: bool = False) -> None:
+    """Refuse a tensor-parallel layout that cannot run, with one line naming the key (ConfigError).
+
+    ``tp`` must be >= 1; ``tp > 1`` needs the vllm engine and single-call rollouts (a
+    verifier's dialogues make a different number of ``generate`` calls on each process,
+    and a group's processes must call together); with ``world_size`` known, ``tp`` must
+    be at most ``world_size`` and divide it (``world_size = tp * groups``).
+    """
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ConfigError(f"config key '{TP_KEY}' must be >= 1; got {tp}")
+    if tp == 1:
+        return
+    if engine not in TP_ENGINES:
+        raise ConfigError(f"config key '{TP_KEY}' is {tp}, but worker.rollout.engine {engine!r} samples on one device "
+                          f"per process; tensor-parallel rollouts need worker.rollout.engine: vllm")
+    if verifier:
+        raise ConfigError(f"config key '{TP_KEY}' is {tp}, but worker.rollout.verifier.enable runs dialogues whose "
+                          "turns differ by process, and the processes of a tensor-parallel group must generate "
+                          "together; use tensor_parallel_size: 1 with the verifier")
+    if world_size is None:
+        return
+    if tp > world_size:
+        raise ConfigError(f"config key '{TP_KEY}' is {tp}, more than the {world_size} training process(es): a "
+                          f"tensor-parallel group is made of training processes (launch at least {tp})")
+    if world_size % tp:
+        raise ConfigError(f"config key '{TP_KEY}' ({tp}) must divide the number of training processes ({world_size}): "
+                          "each group of tp consecutive processes runs one vLLM engine")

@@ -544,7 +544,7 @@ class RolloutConfig:
     # vllm (EasyR1's names): the engine runs in the training process, on the same GPU
     gpu_memory_utilization: float = 0.6  # share of the GPU's memory vLLM may take (weights + KV cache)
     enforce_eager: bool = False  # no CUDA graphs (slower decoding, faster start)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vllm: training processes per vLLM engine, its shards (docs/engines.md)
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
     enable_sleep_mode: bool = True  # free vLLM's GPU memory during the update

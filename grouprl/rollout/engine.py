@@ -114,6 +114,12 @@ class RolloutEngine(abc.ABC):
     supports_sleep: bool = False
     # whether the engine must own its weights whatever the trainer's precision (vLLM loads its own)
     owns_weights: bool = False
+    # whether generate is a collective of several processes (vLLM with tensor parallelism): then each
+    # of them calls it equally often, a process without prompts through join_group_call
+    group_calls: bool = False
+
+    def join_group_call(self) -> None:
+        """Take part in a group's ``generate`` call with no prompts of one's own (``group_calls`` engines)."""
 
     @classmethod
     def from_config(cls, model, processor, *, config, holds_weights: bool) -> "RolloutEngine":

@@ -5,7 +5,9 @@
 The engine starts one colocated ``vllm.LLM`` per training process, on that
 process's GPU: ``distributed_executor_backend="external_launcher"`` when there are
 several training processes (each process samples its own prompts, as TRL's colocate mode
-and verl's SPMD rollout do) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the
+and verl's SPMD rollout do; with ``worker.rollout.tensor_parallel_size`` tp > 1 each group of
+tp processes is one engine in tp shards, sampling its members' prompts together:
+``grouprl.rollout.tensor_parallel``) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the
 engine core, and with it the model, lives in this process where
 ``update_weights`` can reach it. vLLM loads the checkpoint at
 ``worker.actor.model.model_path`` itself; after every training step the trainer
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from grouprl.config.checks import check_tensor_parallel_layout
 from grouprl.data.sample import Sample
 from grouprl.errors import FEATURE_EXTRAS
 from grouprl.models.inputs import (
@@ -54,6 +57,13 @@ from grouprl.models.inputs import (
 from grouprl.rollout.batch import RolloutBatch
 from grouprl.rollout.engine import EncodedPrompt, RolloutEngine, SamplingParams
 from grouprl.rollout.hf_engine import _eos_token_ids
+from grouprl.rollout.tensor_parallel import (
+    request_key,
+    rows_of_member,
+    tensor_parallel_group_index,
+    tensor_parallel_groups,
+    union_of_requests,
+)
 from grouprl.rollout.vllm_capabilities import (
     load_weights,
     platform_name,
@@ -136,10 +146,11 @@ def vllm_llm_kwargs(
     distributed: bool,
 ) -> dict[str, Any]:
     """The keyword arguments of the colocated ``vllm.LLM`` (checked here, before vLLM sees them)."""
-    if tensor_parallel_size != 1:
-        raise NotImplementedError(
-            f"worker.rollout.tensor_parallel_size={tensor_parallel_size}: the colocated vllm engine samples "
-            "with one GPU per training process (tensor_parallel_size: 1)")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"worker.rollout.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and not distributed:
+        raise ValueError(f"worker.rollout.tensor_parallel_size={tensor_parallel_size} shards vLLM over training "
+                         "processes, and this is one process: launch tensor_parallel_size (or a multiple) processes")
     if not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"worker.rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}; "
                          "the trainer shares the GPU")
@@ -409,7 +420,7 @@ def rollout_batch_from_vllm(
 
 
 class VLLMEngine(RolloutEngine):
-    """vLLM in the training process, one engine per process and GPU, on its own copy of the weights.
+    """vLLM in the training process, one engine per process and GPU (or per tensor-parallel group), on its own weights.
 
     ``model`` is the policy as trained (plain, DDP, FSDP2 or LoRA): the engine reads
     its structure (names, LoRA layers, config) for the weight sync, never its
@@ -457,6 +468,18 @@ class VLLMEngine(RolloutEngine):
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size() > 1)
         rank = torch.distributed.get_rank() if distributed else 0
+        world = torch.distributed.get_world_size() if distributed else 1
+        check_tensor_parallel_layout(tensor_parallel_size, engine="vllm", world_size=world)
+        self.tensor_parallel_size = tensor_parallel_size
+        # the processes sharing this engine (grouprl.rollout.tensor_parallel): a gloo group of their
+        # own for gathering prompts (Python objects, images included) whatever the trainer's backend
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                tensor_parallel_groups(world, tensor_parallel_size), backend="gloo")
+        # one seed per vLLM engine: each process's own with tp 1, the group's with tp > 1 (its shards
+        # must draw the same tokens)
+        engine_index = tensor_parallel_group_index(rank, tensor_parallel_size)
         max_model_len = (max_prompt_length or 0) + max_response_length
         if max_model_len <= max_response_length:
             raise ValueError("the vllm engine needs max_prompt_length (data.max_prompt_length) to size its context")
@@ -486,7 +509,7 @@ class VLLMEngine(RolloutEngine):
             model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            enable_sleep_mode=enable_sleep_mode, limit_images=limit_images, seed=seed + rank,
+            enable_sleep_mode=enable_sleep_mode, limit_images=limit_images, seed=seed + engine_index,
             takes_video=getattr(config, "video_token_id", None) is not None,
             trust_remote_code=trust_remote_code, distributed=distributed)
         self.llm_kwargs.update(llm_kwargs or {})
@@ -526,8 +549,6 @@ class VLLMEngine(RolloutEngine):
         if self._weights_discarded:
             raise RuntimeError("the vllm engine slept at level 2, which discards its weights; "
                                "call update_weights after wake_up and before generate")
-        from vllm import SamplingParams as VLLMSamplingParams
-
         prompt_ids, prompt_mask, inputs = self._encode(samples, prompts)
         rows = unpadded_rows(prompt_ids, prompt_mask)
         check_prompt_images(samples, rows, inputs, image_token_id=self.image_token_id, limit_images=self.limit_images)
@@ -535,16 +556,51 @@ class VLLMEngine(RolloutEngine):
             self._images_checked = check_images_once(self.processor, self.model, samples)
         requests = [vllm_prompt(ids, sample.images, image_token_id=self.image_token_id)
                     for ids, sample in zip(rows, samples)]
-        sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(
-            params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i))
+        sampling = [vllm_sampling_kwargs(
+            params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i)
             for i in range(len(samples))]
-        self._wake(("weights", "kv_cache"))
-        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        outputs = self._group_generate(list(zip(requests, sampling)))
         return rollout_batch_from_vllm(
             outputs, samples=samples, prompt_ids=prompt_ids, prompt_mask=prompt_mask, model_inputs=inputs,
             n=params.n, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
             tokenizer=self.processor, return_log_probs=params.return_log_probs,
             sent_prompts=[r["prompt_token_ids"] for r in requests])
+
+    @property
+    def group_calls(self) -> bool:
+        """Whether ``generate`` is a call of the whole tensor-parallel group (tp > 1).
+
+        Then every process of a group must call it as often as the others: a process with
+        no prompts left (an uneven share of the validation set) calls ``join_group_call``.
+        """
+        return self.tp_group is not None
+
+    def join_group_call(self) -> None:
+        """Take part in the group's ``generate`` call with no prompts of this process's own."""
+        if self.tp_group is not None:
+            self._group_generate([])
+
+    def _group_generate(self, mine: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
+        """vLLM's outputs for this process's ``(prompt, sampling kwargs)`` requests, in their order.
+
+        With tp > 1 every process of the group samples the group's requests (their union,
+        grouprl.rollout.tensor_parallel), in the same order with the same seeds, since the
+        group is one engine in tp shards; each takes back its own outputs.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        if self.tp_group is None:
+            union, takes, me = mine, [list(range(len(mine)))], 0
+        else:
+            members = [None] * self.tensor_parallel_size
+            torch.distributed.all_gather_object(members, mine, group=self.tp_group)
+            me = torch.distributed.get_rank(self.tp_group)
+            union, takes = union_of_requests(members, key=lambda pair: request_key(*pair))
+        self._wake(("weights", "kv_cache"))
+        outputs = self.llm.generate([request for request, _ in union],
+                                    sampling_params=[VLLMSamplingParams(**kwargs) for _, kwargs in union],
+                                    use_tqdm=False) if union else []
+        return rows_of_member(outputs, takes[me])
 
     def _encode(self, samples: list[Sample], prompts: list[EncodedPrompt] | None):
         if prompts is None:

@@ -341,6 +341,10 @@ class GRPOTrainer(TrainingLoop):
 
         t, actor, roll = config.trainer, config.worker.actor, config.worker.rollout
         check_output_dirs(config)  # before the data and the model load
+        from grouprl.config.checks import check_tensor_parallel_layout, launch_world_size
+
+        check_tensor_parallel_layout(roll.tensor_parallel_size, engine=roll.engine,
+                                     world_size=launch_world_size() or 1, verifier=roll.verifier.enable)
         set_seed(t.seed)  # before the policy is built: LoRA adapters are initialised at random
         if train_dataset is None:
             train_dataset, loaded_val = load_datasets(config.data)
@@ -1029,6 +1033,12 @@ class GRPOTrainer(TrainingLoop):
                 generations.extend({"completion": r, "reference": s.answer, "prompt": s.prompt_text(),
                                     "prompt_index": indices[start + int(g)], "columns": dict(s.columns)}
                                    for s, r, g in zip(batch.samples, batch.responses, batch.group_index))
+        if self.engine.group_calls:
+            # a tensor-parallel vLLM group generates together: a process with a smaller share (rank 0 has
+            # the most) joins the group calls it has no prompts for
+            most = -(-len(range(0, len(self.val_dataset), world)) // size)
+            for _ in range(most - -(-len(indices) // size)):
+                self.engine.join_group_call()
         if self.rewards is not None:
             self._record_val_rewards(metrics, results, prompt_of_row, row_sources, params.n)
         mark("task_metrics")

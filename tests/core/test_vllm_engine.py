@@ -173,7 +173,10 @@ def test_llm_kwargs_and_their_checks():
     assert many["limit_mm_per_prompt"] == {"image": 2}
     video_model = vllm_llm_kwargs("/m", distributed=False, **{**common, "limit_images": 2}, takes_video=True)
     assert video_model["limit_mm_per_prompt"] == {"image": 2, "video": 0}  # grouprl sends no videos
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+    # tensor parallelism shards vLLM over the training processes: several of them, never one
+    sharded = vllm_llm_kwargs("/m", distributed=True, **{**common, "tensor_parallel_size": 2})
+    assert sharded["tensor_parallel_size"] == 2 and sharded["distributed_executor_backend"] == "external_launcher"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 shards vLLM over training processes"):
         vllm_llm_kwargs("/m", distributed=False, **{**common, "tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         vllm_llm_kwargs("/m", distributed=False, **{**common, "max_num_batched_tokens": 1024})
