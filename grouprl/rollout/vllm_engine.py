@@ -36,6 +36,7 @@ into a RolloutBatch are plain Python, tested without vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -203,8 +204,9 @@ def vllm_sampling_kwargs(
     ``n`` responses; greedy as temperature 0; top-k off as -1 and top-p off as 1.0;
     every EOS id of the engine stops a response (vLLM keeps the stop token in the
     output, as generate does); ``logprobs=0`` returns the sampled token's log-prob
-    only. A seeded call gives prompt i the seed ``seed + i * n``: vLLM seeds the j-th
-    of the n samples ``seed + j``, so every response of the call has its own stream.
+    only. A seeded call gives prompt i the seed :func:`prompt_seed` ``(seed, i, n)``: vLLM
+    seeds the j-th of the n samples ``that + j``, so every response has its own stream, also
+    against other processes' and other steps' calls (whose call seeds differ by small steps).
     """
     greedy = params.greedy
     kwargs: dict[str, Any] = dict(
@@ -218,10 +220,25 @@ def vllm_sampling_kwargs(
         detokenize=False,  # responses are decoded by grouprl's tokenizer, from the masked ids
     )
     if params.seed is not None:
-        kwargs["seed"] = int(params.seed) + prompt_index * params.n
+        kwargs["seed"] = prompt_seed(int(params.seed), prompt_index, params.n)
     if suppressed_token_ids:
         kwargs["logit_bias"] = {int(t): SUPPRESS_BIAS for t in suppressed_token_ids}
     return kwargs
+
+
+def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
+    """The vLLM seed of prompt ``prompt_index`` of a call seeded ``seed`` with ``n`` samples per prompt.
+
+        base = n * (H(seed, i) mod floor((2^31 - 1) / n)),  H = the first 8 bytes of blake2b("seed:i")
+
+    vLLM gives sample j the seed ``base + j``. A base spaced by ``seed + i * n`` would make
+    the streams of calls whose seeds differ by a little (the trainer's call seed is
+    ``run * 1000003 + step * 101 + process``) the same streams shifted: process 1's prompt i,
+    sample j would draw what process 0's prompt i, sample j + 1 drew. Hashed bases are
+    multiples of n, so two prompts' ranges are equal (chance about n / 2^31) or disjoint.
+    """
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest(), "big")
+    return n * (h % ((2**31 - 1) // n))
 
 
 def collapse_image_placeholders(ids: Sequence[int], image_token_id: int | None) -> list[int]:

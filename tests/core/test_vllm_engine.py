@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +31,7 @@ from grouprl.rollout.vllm_engine import (
     check_prompt_images,
     collapse_image_placeholders,
     response_tensors,
+    prompt_seed,
     rollout_batch_from_vllm,
     unpadded_rows,
     vllm_dtype,
@@ -142,12 +143,14 @@ def test_sampling_params_to_vllm_kwargs():
                             return_log_probs=True)
     kwargs = vllm_sampling_kwargs(params, eos_token_ids=[9, 3, 9], suppressed_token_ids=[5, 6], prompt_index=2)
     assert kwargs == dict(n=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=64, stop_token_ids=[3, 9],
-                          logprobs=0, detokenize=False, seed=11 + 2 * 4,
+                          logprobs=0, detokenize=False, seed=prompt_seed(11, 2, 4),
                           logit_bias={5: SUPPRESS_BIAS, 6: SUPPRESS_BIAS})
-    # vLLM seeds sample j of a prompt seed + j: the prompts' seed ranges never overlap
-    seeds = {vllm_sampling_kwargs(params, eos_token_ids=[3], prompt_index=i)["seed"] + j
-             for i in range(5) for j in range(params.n)}
-    assert len(seeds) == 5 * params.n
+    # vLLM seeds sample j of a prompt base + j: no two responses share a stream, within a call nor
+    # across the calls of two processes (call seeds s, s + 1) and of the next steps (s + 101 per step)
+    seeds = [vllm_sampling_kwargs(replace(params, seed=call), eos_token_ids=[3], prompt_index=i)["seed"] + j
+             for call in (11, 12, 11 + 101, 11 + 202) for i in range(64) for j in range(params.n)]
+    assert len(set(seeds)) == len(seeds) == 4 * 64 * params.n
+    assert all(0 <= s < 2**31 for s in seeds)
 
     off = vllm_sampling_kwargs(SamplingParams(n=2, top_k=None), eos_token_ids=[3])
     assert off["top_k"] == -1 and off["top_p"] == 1.0 and off["temperature"] == 1.0
