@@ -17,7 +17,8 @@ live tensors of a real forward (``tests/core/test_plan.py``, ``benchmarks/bench_
   ``b (8h + 2kv + 4I) + 4a``;
 - mixed precision (bf16 autocast over fp32 weights): the residual stream stays fp32 (``4h + kv``
   at 4 bytes), the autocast copies and matrix products are bf16 (``7h + 4kv + 4I`` at 2 bytes),
-  and autocast keeps a bf16 copy of every weight matrix for the backward (``2 P_linear``);
+  and autocast keeps a bf16 copy of every weight matrix for the backward (``2 P_linear``, the output
+  layer's included, with or without checkpointing: ``autocast_copy_bytes``);
 - a padded micro-batch (an attention mask) with grouped-query attention copies the keys and
   values to every head (``+2h`` at the compute dtype); in full precision ``sdpa`` also keeps a
   float ``[rows, 1, S, S]`` mask per layer (``4 rows S^2``);
@@ -89,12 +90,12 @@ def layer_activation_bytes(tokens: int, *, hidden: int, kv_dim: int, intermediat
 
 def activation_bytes(tokens: int, *, layers: int, hidden: int, kv_dim: int, intermediate: int, heads: int,
                      residual_bytes: int, compute_bytes: int, checkpointing: bool, masked: bool = False,
-                     grouped: bool = False, mask_elements: int = 0, autocast_weight_bytes: int = 0) -> int:
+                     grouped: bool = False, mask_elements: int = 0) -> int:
     """What one micro-batch's forward keeps for its backward (the language model; the output layer is chunked apart).
 
-    Without checkpointing: ``L * layer_activation_bytes + 3 h T b_residual + autocast copies`` (``2 P_linear``
-    in mixed precision, else 0). With checkpointing: ``L h T b_residual + 3 h T b_residual + mask_elements``
-    (the boolean mask); the backward's recompute of one layer is ``recompute_bytes``.
+    Without checkpointing: ``L * layer_activation_bytes + 3 h T b_residual``. With checkpointing:
+    ``L h T b_residual + 3 h T b_residual + mask_elements`` (the boolean mask); the backward's recompute
+    of one layer is ``recompute_bytes``. Autocast's weight copies are ``autocast_copy_bytes``, apart.
     """
     final = 3 * hidden * tokens * residual_bytes
     if checkpointing:
@@ -102,7 +103,15 @@ def activation_bytes(tokens: int, *, layers: int, hidden: int, kv_dim: int, inte
     layer = layer_activation_bytes(tokens, hidden=hidden, kv_dim=kv_dim, intermediate=intermediate, heads=heads,
                                    residual_bytes=residual_bytes, compute_bytes=compute_bytes, masked=masked,
                                    grouped=grouped, mask_elements=mask_elements)
-    return layers * layer + final + autocast_weight_bytes
+    return layers * layer + final
+
+
+def autocast_copy_bytes(linear_parameters: int, *, mixed: bool, sharded: bool) -> int:
+    """The bf16 copies autocast casts every trained weight matrix to and keeps (its cast cache) until the
+    backward: ``2 P_linear`` (the decoder's linear layers and the output layer) in mixed precision, with or
+    without checkpointing. FSDP2 gathers its parameters in bf16 already (its mixed-precision policy) and frees
+    them layer by layer: 0 there, and 0 when compute and weights share a dtype."""
+    return 2 * linear_parameters if mixed and not sharded else 0
 
 
 def recompute_bytes(tokens: int, *, checkpointing: bool, **layer) -> int:
@@ -115,14 +124,14 @@ def logprob_chunk_bytes(positions: int, vocab: int, chunk_tokens: int, *, comput
                         with_entropy: bool = True, backward: bool = True) -> int:
     """Peak of the output layer's logits while log-probs are taken ``chunk_tokens`` positions at a time.
 
-    ``c = min(chunk_tokens, positions)`` (all positions when ``chunk_tokens`` is 0): ``c V`` float32 logits,
-    the log-sum-exp's ``c V`` temporary, with the entropy metric its softmax and product (``+2 c V``), in the
-    backward of a checkpointed chunk the logits' gradient (``+ c V``), each 4 bytes; plus the model's own
-    ``c V`` logits in the compute dtype when it is not float32:
-    ``c V (4 (2 + 2 [entropy] + 1 [backward]) + (b_compute if b_compute != 4))``.
+    ``c = min(chunk_tokens, positions)`` (all positions when ``chunk_tokens`` is 0): ``c V`` float32 logits
+    (the log-sum-exp needs no temporary of that size), with the entropy metric its softmax, the logits with
+    suppressed tokens zeroed and their product (``+3 c V``), in the backward of a checkpointed chunk the
+    logits' gradient (``+ c V``), each 4 bytes; plus the model's own ``c V`` logits in the compute dtype
+    when it is not float32: ``c V (4 (1 + 3 [entropy] + 1 [backward]) + (b_compute if b_compute != 4))``.
     """
     c = min(chunk_tokens, positions) if chunk_tokens else positions
-    copies = 2 + (2 if with_entropy else 0) + (1 if backward else 0)
+    copies = 1 + (3 if with_entropy else 0) + (1 if backward else 0)
     return c * vocab * (4 * copies + (compute_bytes if compute_bytes != 4 else 0))
 
 

@@ -26,7 +26,7 @@ class ModelShape:
     parameters: int
     trained_parameters: int  # with the run's freezing / LoRA applied (LoRA: the adapters)
     adapter_parameters: int  # LoRA adapters (0 without)
-    linear_parameters: int  # weights of the language model's decoder layers' linear layers (autocast copies)
+    linear_parameters: int  # the language model's linear weights and the output layer's (autocast copies)
     layers: int
     hidden: int
     intermediate: int
@@ -71,9 +71,12 @@ def model_shape(path: str, *, trust_remote_code: bool = False, lora_rank: int = 
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    linear = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and ".layers." in name and "visual" not in name
-                 and "vision" not in name)
+    # the matrices autocast casts: the language model's linear layers and the output layer
+    from grouprl.models.loading import _outside, _vision_prefixes
+
+    vision = _vision_prefixes(model)
+    linear = _unique_numel(m.weight for name, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) and _outside(name, vision))
     freeze(model, freeze_vision_tower=freeze_vision_tower, trainable_modules=trainable_modules or None)
     trained = _unique_numel(p for p in model.parameters() if p.requires_grad)
     adapters = 0

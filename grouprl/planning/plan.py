@@ -168,19 +168,20 @@ def plan_memory(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
     rollout_copy = memory.weights_bytes(shape.parameters, frozen_b) if copy_here else 0
     teacher = settings.teacher_parameters * settings.teacher_bytes
     mixed = compute_b != param_b and not lora
-    autocast_copies = 2 * shape.linear_parameters if mixed and not settings.sharded else 0
+    autocast_copies = memory.autocast_copy_bytes(shape.linear_parameters, mixed=mixed, sharded=settings.sharded)
 
     seq = settings.prompt_length + settings.response_length
     rows = settings.micro_batch_update
     tokens = rows * seq
-    masked = not settings.padding_free
-    mask_elements = rows * seq * seq if masked else 0
+    # sdpa gets a mask either way: the padded batch's [rows, 1, S, S], or the packed row's [1, 1, T, T]
+    # (transformers separates packed sequences by masking them from each other)
+    masked = True
+    mask_elements = tokens * tokens if settings.padding_free else rows * seq * seq
     residual_b = param_b if not lora else frozen_b
     layer = dict(hidden=shape.hidden, kv_dim=shape.kv_dim, intermediate=shape.intermediate, heads=shape.heads,
                  residual_bytes=residual_b, compute_bytes=compute_b, masked=masked,
                  grouped=shape.heads > shape.kv_heads, mask_elements=mask_elements)
-    activations = memory.activation_bytes(tokens, layers=shape.layers, checkpointing=settings.checkpointing,
-                                          autocast_weight_bytes=autocast_copies, **layer)
+    activations = memory.activation_bytes(tokens, layers=shape.layers, checkpointing=settings.checkpointing, **layer)
     recompute = memory.recompute_bytes(tokens, checkpointing=settings.checkpointing, **layer)
     positions = rows * settings.response_length
     chunk_update = (memory.logprob_chunk_bytes(positions, shape.vocab, settings.chunk_tokens, compute_bytes=compute_b,

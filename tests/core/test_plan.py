@@ -1,0 +1,214 @@
+"""`grouprl plan`: each predicted part of a step's memory against the live tensor bytes of a real run.
+
+One GRPO step of a tiny Qwen2 through the trainer (bf16 compute over fp32 masters, KL on: every
+copy of the weights exists) gives the weights, AdamW state, gradients, reference and rollout copy;
+real log-prob forwards of the same model (grouprl's ``forward_response_log_probs``, the update's
+forward) under ``LiveTensors`` give the activations with and without checkpointing, padded and
+padding-free, and the log-prob chunk's peak. Each part must be within 15% of what was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, config_from_dict
+from grouprl.planning import memory
+from grouprl.planning.live_bytes import LiveTensors, storage_bytes
+from grouprl.planning.model_shape import model_shape
+from grouprl.planning.plan import plan_memory, settings_from_config
+
+TOLERANCE = 0.15
+
+
+def close(predicted: int, measured: int) -> bool:
+    return measured > 0 and abs(predicted - measured) <= TOLERANCE * measured
+
+
+@pytest.fixture(scope="module")
+def run(say_task, tmp_path_factory):
+    """One step of a mixed-precision run with KL, and the live bytes of each part (grads at the optimizer step)."""
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    task = say_task(4)
+    values = task.config(tmp_path_factory.mktemp("plan_run"), [{"name": "length", "kwargs": {"target": 4}}], **{
+        "worker.actor.model.dtype": "bfloat16", "algorithm.kl_coef": 0.01, "trainer.max_steps": 1,
+        "trainer.log_rollouts": False, "worker.actor.global_batch_size": 4})
+    config = config_from_dict(values)
+    trainer = GRPOTrainer(config)
+    grads = []
+    step = trainer.optimizer.step
+
+    def measuring_step(*args, **kwargs):
+        grads.append(storage_bytes(p.grad for p in trainer.policy.parameters() if p.grad is not None))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = measuring_step
+    trainer.step(1)
+    states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    measured = {"weights": storage_bytes(trainer.policy.parameters()), "optimizer_state": storage_bytes(states),
+                "gradients": max(grads), "reference": storage_bytes(trainer.ref_model.parameters()),
+                "rollout_copy": storage_bytes(trainer.engine.model.parameters())}
+    shape = model_shape(str(task.model))
+    plan = plan_memory(shape, settings_from_config(config), None)
+    return {"task": task, "shape": shape, "plan": plan, "measured": measured, "config": config}
+
+
+@pytest.mark.parametrize("part", ["weights", "optimizer_state", "gradients", "reference", "rollout_copy"])
+def test_weight_parts_match_the_live_tensors_of_a_trainer_step(run, part):
+    """fp32 masters, fp32 AdamW moments, fp32 gradients, the bf16 reference and the bf16 rollout copy."""
+    predicted, measured = run["plan"].parts[part], run["measured"][part]
+    assert close(predicted, measured), (part, predicted, measured)
+
+
+def test_without_kl_or_with_lora_there_is_no_reference_and_lora_trains_the_adapters(run):
+    from grouprl.models.loading import apply_lora, load_model_and_processor
+
+    config = run["config"]
+    no_kl = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, kl_coef=0.0))
+    assert plan_memory(run["shape"], settings_from_config(no_kl), None).parts["reference"] == 0
+    lora = model_shape(str(run["task"].model), lora_rank=8)
+    model, _, _ = load_model_and_processor(run["task"].model)
+    live = apply_lora(model, rank=8, alpha=16)
+    adapters = sum(p.numel() for n, p in live.named_parameters() if "lora_" in n)
+    assert lora.trained_parameters == lora.adapter_parameters == adapters > 0
+
+
+def _forward_live_bytes(path, *, rows: int, prompt: int, response: int, mixed: bool, checkpointing: bool,
+                        padding_free: bool, chunk_tokens: int) -> int:
+    """Bytes a real update forward (``forward_response_log_probs`` with gradients) keeps for its backward."""
+    from grouprl.models.loading import load_model_and_processor
+    from grouprl.rollout.logprobs import forward_response_log_probs
+
+    model, _, _ = load_model_and_processor(path, gradient_checkpointing=checkpointing)
+    model.train()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(5, vocab, (rows, prompt), generator=g)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # one left-padded row: a padded batch has an attention mask
+    response_ids = torch.randint(5, vocab, (rows, response), generator=g)
+    response_mask = torch.ones(rows, response, dtype=torch.long)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else torch.autocast("cpu", enabled=False)
+    with context, LiveTensors() as live:
+        log_probs, _ = forward_response_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, {},
+                                                  with_entropy=True, padding_free=padding_free,
+                                                  chunk_tokens=chunk_tokens)
+        held = live.current
+    log_probs.sum().backward()  # the graph was real
+    return held
+
+
+@pytest.mark.parametrize("mixed, checkpointing, padding_free", [
+    (False, False, False), (True, False, False), (False, True, False), (True, True, False), (False, False, True)],
+    ids=["fp32", "mixed", "fp32-checkpointing", "mixed-checkpointing", "fp32-padding-free"])
+def test_activations_match_what_a_real_update_forward_keeps(run, mixed, checkpointing, padding_free):
+    rows, prompt, response, chunk = 4, 40, 24, 16
+    measured = _forward_live_bytes(run["task"].model, rows=rows, prompt=prompt, response=response, mixed=mixed,
+                                   checkpointing=checkpointing, padding_free=padding_free, chunk_tokens=chunk)
+    settings = dataclasses.replace(
+        settings_from_config(run["config"]), dtype="bfloat16" if mixed else "float32", checkpointing=checkpointing,
+        padding_free=padding_free, micro_batch_update=rows, prompt_length=prompt, response_length=response,
+        chunk_tokens=chunk)
+    parts = plan_memory(run["shape"], settings, None).parts
+    # chunks of 16 of the 96 response positions are checkpointed: no logits are kept
+    assert parts["logprob_chunk"] == memory.logprob_chunk_bytes(rows * response, run["shape"].vocab, chunk,
+                                                                compute_bytes=2 if mixed else 4)
+    # autocast's bf16 copies of the weights live exactly as long as the activations: measured with them
+    predicted = parts["activations"] + parts["autocast_weight_copies"]
+    assert (parts["autocast_weight_copies"] > 0) == mixed
+    assert close(predicted, measured), (predicted, measured)
+
+
+@pytest.mark.parametrize("backward, with_entropy, mixed", [(True, True, False), (False, False, False),
+                                                           (True, True, True)],
+                         ids=["update", "experience", "update-mixed"])
+def test_logprob_chunk_peak_matches_the_live_peak(backward, with_entropy, mixed):
+    """The output layer's logits, ``chunk`` positions at a time (grouprl's ``score_positions``)."""
+    from grouprl.rollout.logprobs import score_positions
+
+    positions, hidden, vocab, chunk = 96, 16, 4096, 32
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(positions, hidden, generator=g).requires_grad_(backward)
+    head = torch.randn(vocab, hidden, generator=g)
+    if mixed:
+        head = head.to(torch.bfloat16)
+        states = states.detach().to(torch.bfloat16).requires_grad_(backward)
+    targets = torch.randint(0, vocab, (positions,), generator=g)
+    with torch.set_grad_enabled(backward), LiveTensors() as live:
+        log_probs, _ = score_positions(states, targets, lambda h: torch.nn.functional.linear(h, head),
+                                       with_entropy=with_entropy, chunk_tokens=chunk)
+        if backward:
+            log_probs.sum().backward()
+    predicted = memory.logprob_chunk_bytes(positions, vocab, chunk, compute_bytes=2 if mixed else 4,
+                                           with_entropy=with_entropy, backward=backward)
+    assert close(predicted, live.peak), (predicted, live.peak)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _plan(capsys, *argv: str) -> tuple[int, str, str]:
+    """``grouprl plan ...`` in this process: (exit code, stdout, stderr)."""
+    from grouprl.cli import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_has_the_documented_keys_and_its_suggestions_are_replans(run, tmp_path):
+    from grouprl.planning.command import build_plan
+
+    config = run["config"]
+    result = build_plan(config, gpus=1, gpu_memory=1)  # 1 byte: nothing fits, so the suggestions come
+    for key in ("model", "gpus", "gpu_memory_bytes", "parts", "phases", "phase_totals", "peak_bytes", "peak_phase",
+                "fits", "tokens_per_step", "images_per_step", "image_tokens_per_image", "kv_cache", "suggestions",
+                "notes"):
+        assert key in result, key
+    assert result["fits"] is False and result["peak_bytes"] == max(result["phase_totals"].values())
+    json.dumps(result)
+    by_change = {s["change"]: s for s in result["suggestions"]}
+    # the checkpointing figure is the plan of the config with that override, not a percentage
+    changed = dataclasses.replace(config, worker=dataclasses.replace(config.worker, actor=dataclasses.replace(
+        config.worker.actor, model=dataclasses.replace(config.worker.actor.model,
+                                                       enable_gradient_checkpointing=True))))
+    assert by_change["gradient checkpointing"]["peak_bytes"] == build_plan(changed, gpus=1, gpu_memory=None)[
+        "peak_bytes"]
+    assert set(by_change) >= {"gradient checkpointing", "offload parameters and optimizer state", "LoRA rank 64"}
+    fsdp = [s for s in result["suggestions"] if s["change"].startswith("FSDP")]
+    assert fsdp and fsdp[0]["peak_bytes"] < result["peak_bytes"]
+
+
+def test_plan_command_prints_the_table_and_json(run, capsys):
+    model = f"worker.actor.model.model_path={run['task'].model}"
+    code, out, err = _plan(capsys, model, "--gpu-memory", "80")
+    assert code == 0, err
+    assert "activations" in out and "fits" in out
+    code, out, err = _plan(capsys, model, "--gpus", "2", "worker.actor.strategy=fsdp", "--gpu-memory", "80", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["gpus"] == 2 and result["fits"] is True and result["settings"]["sharded"] is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0"], "--gpus must be a positive number"),
+    (["--gpus", "-2"], "--gpus must be a positive number"),
+    (["--gpu-memory", "lots"], "--gpu-memory must be a positive number"),
+    (["--gpu-memory", "0"], "--gpu-memory must be a positive number"),
+])
+def test_bad_flags_are_one_line_and_exit_2(run, capsys, argv, message):
+    code, _, err = _plan(capsys, f"worker.actor.model.model_path={run['task'].model}", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_unresolvable_model_names_the_key(tmp_path, capsys):
+    code, _, err = _plan(capsys, f"worker.actor.model.model_path={tmp_path / 'nowhere'}", "--gpu-memory", "80")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "worker.actor.model.model_path" in err and "nowhere" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = _plan(capsys, f"worker.actor.model.model_path={tmp_path / 'empty'}")
+    assert code == 2 and "worker.actor.model.model_path" in err and "config.json" in err, err
