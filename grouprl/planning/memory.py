@@ -19,9 +19,10 @@ live tensors of a real forward (``tests/core/test_plan.py``, ``benchmarks/bench_
   at 4 bytes), the autocast copies and matrix products are bf16 (``7h + 4kv + 4I`` at 2 bytes),
   and autocast keeps a bf16 copy of every weight matrix for the backward (``2 P_linear``, the output
   layer's included, with or without checkpointing: ``autocast_copy_bytes``);
-- a padded micro-batch (an attention mask) with grouped-query attention copies the keys and
-  values to every head (``+2h`` at the compute dtype); in full precision ``sdpa`` also keeps a
-  float ``[rows, 1, S, S]`` mask per layer (``4 rows S^2``);
+- with an attention mask (a padded micro-batch, or padding-free rows packed into one, which
+  transformers keeps apart by masking) grouped-query attention copies the keys and values to
+  every head (``+2h`` at the compute dtype), and each layer keeps the float mask in the compute
+  dtype: ``[rows, 1, S, S]`` padded, ``[1, 1, T, T]`` packed (quadratic in the micro-batch's tokens);
 - after the last layer: its output and the final norm's two products, ``3h`` at the residual's ``b``;
 - with gradient checkpointing only each layer's input is kept (``L h b``, and the boolean mask),
   and the backward recomputes one layer at a time (one layer's full activations on top).
@@ -72,8 +73,8 @@ def layer_activation_bytes(tokens: int, *, hidden: int, kv_dim: int, intermediat
 
     One dtype (``residual_bytes == compute_bytes == b``): ``T (b (8h + 2kv + 4I) + 4a)``.
     Mixed (fp32 residual, bf16 compute): ``T (4 (4h + kv) + 2 (7h + 4kv + 4I) + 4a)``.
-    Masked with grouped-query attention: ``+ 2 h T b_compute``; masked in one dtype: ``+ 4 mask_elements``
-    (the float mask sdpa keeps, ``rows * S^2``).
+    Masked with grouped-query attention: ``+ 2 h T b_compute``; masked: ``+ b_compute mask_elements`` (the
+    float mask sdpa keeps: ``rows * S^2`` padded, ``T^2`` for one packed row).
     """
     if residual_bytes == compute_bytes:
         per_token = compute_bytes * (8 * hidden + 2 * kv_dim + 4 * intermediate)
@@ -83,8 +84,8 @@ def layer_activation_bytes(tokens: int, *, hidden: int, kv_dim: int, intermediat
     total = tokens * per_token
     if masked and grouped:
         total += 2 * hidden * tokens * compute_bytes
-    if masked and residual_bytes == compute_bytes:
-        total += 4 * mask_elements
+    if masked:
+        total += compute_bytes * mask_elements
     return total
 
 
