@@ -70,3 +70,50 @@ class LiveTensors(TorchDispatchMode):
             self.current += size
             self.peak = max(self.peak, self.current)
         return out
+
+
+def update_forward_bytes(model, *, rows: int, prompt: int, response: int, mixed: bool, padding_free: bool,
+                         chunk_tokens: int, seed: int = 0) -> int:
+    """Bytes a real update forward keeps for its backward: grouprl's ``forward_response_log_probs`` with
+    gradients (the entropy metric on, as the update runs it) over ``rows`` random rows of ``prompt`` +
+    ``response`` tokens, one of them left-padded by two tokens (a padded batch carries an attention mask),
+    under bf16 autocast when ``mixed``. The backward then runs, so the graph measured is the one trained.
+    """
+    from grouprl.rollout.logprobs import forward_response_log_probs
+
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(5, vocab, (rows, prompt), generator=g)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    response_ids = torch.randint(5, vocab, (rows, response), generator=g)
+    response_mask = torch.ones(rows, response, dtype=torch.long)
+    context = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed)
+    with context, LiveTensors() as live:
+        log_probs, _ = forward_response_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, {},
+                                                  with_entropy=True, padding_free=padding_free,
+                                                  chunk_tokens=chunk_tokens)
+        held = live.current
+    log_probs.sum().backward()
+    return held
+
+
+def logprob_chunk_peak(*, positions: int, hidden: int, vocab: int, chunk_tokens: int, backward: bool,
+                       with_entropy: bool, mixed: bool, seed: int = 0) -> int:
+    """The most bytes alive while grouprl's ``score_positions`` takes log-probs of ``positions`` random hidden
+    states through a random ``[vocab, hidden]`` output layer, ``chunk_tokens`` at a time (and, with
+    ``backward``, back through them)."""
+    from grouprl.rollout.logprobs import score_positions
+
+    dtype = torch.bfloat16 if mixed else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(positions, hidden, generator=g).to(dtype).requires_grad_(backward)
+    head = torch.randn(vocab, hidden, generator=g).to(dtype)
+    targets = torch.randint(0, vocab, (positions,), generator=g)
+    with torch.set_grad_enabled(backward), LiveTensors() as live:
+        log_probs, _ = score_positions(states, targets, lambda h: torch.nn.functional.linear(h, head),
+                                       with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        if backward:
+            log_probs.sum().backward()
+    return live.peak

@@ -17,7 +17,7 @@ import torch
 
 from grouprl.config import ConfigError, config_from_dict
 from grouprl.planning import memory
-from grouprl.planning.live_bytes import LiveTensors, storage_bytes
+from grouprl.planning.live_bytes import storage_bytes
 from grouprl.planning.model_shape import model_shape
 from grouprl.planning.plan import plan_memory, settings_from_config
 
@@ -84,29 +84,12 @@ def lm(tiny_text_lm):
     return {"path": path, "shape": model_shape(str(path))}
 
 
-def _forward_live_bytes(path, *, rows: int, prompt: int, response: int, mixed: bool, checkpointing: bool,
-                        padding_free: bool, chunk_tokens: int) -> int:
-    """Bytes a real update forward (``forward_response_log_probs`` with gradients) keeps for its backward."""
+def _forward_live_bytes(path, *, checkpointing: bool, **forward) -> int:
     from grouprl.models.loading import load_model_and_processor
-    from grouprl.rollout.logprobs import forward_response_log_probs
+    from grouprl.planning.live_bytes import update_forward_bytes
 
     model, _, _ = load_model_and_processor(path, gradient_checkpointing=checkpointing)
-    model.train()
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(5, vocab, (rows, prompt), generator=g)
-    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
-    prompt_mask[0, :2] = 0  # one left-padded row: a padded batch has an attention mask
-    response_ids = torch.randint(5, vocab, (rows, response), generator=g)
-    response_mask = torch.ones(rows, response, dtype=torch.long)
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else torch.autocast("cpu", enabled=False)
-    with context, LiveTensors() as live:
-        log_probs, _ = forward_response_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, {},
-                                                  with_entropy=True, padding_free=padding_free,
-                                                  chunk_tokens=chunk_tokens)
-        held = live.current
-    log_probs.sum().backward()  # the graph was real
-    return held
+    return update_forward_bytes(model.train(), **forward)
 
 
 @pytest.mark.parametrize("mixed, checkpointing, padding_free", [
@@ -136,24 +119,14 @@ def test_activations_match_what_a_real_update_forward_keeps(run, lm, mixed, chec
                          ids=["update", "experience", "experience-mixed"])
 def test_logprob_chunk_peak_matches_the_live_peak(backward, with_entropy, mixed):
     """The output layer's logits, ``chunk`` positions at a time (grouprl's ``score_positions``)."""
-    from grouprl.rollout.logprobs import score_positions
+    from grouprl.planning.live_bytes import logprob_chunk_peak
 
     positions, hidden, vocab, chunk = 96, 16, 4096, 32
-    g = torch.Generator().manual_seed(0)
-    states = torch.randn(positions, hidden, generator=g).requires_grad_(backward)
-    head = torch.randn(vocab, hidden, generator=g)
-    if mixed:
-        head = head.to(torch.bfloat16)
-        states = states.detach().to(torch.bfloat16).requires_grad_(backward)
-    targets = torch.randint(0, vocab, (positions,), generator=g)
-    with torch.set_grad_enabled(backward), LiveTensors() as live:
-        log_probs, _ = score_positions(states, targets, lambda h: torch.nn.functional.linear(h, head),
-                                       with_entropy=with_entropy, chunk_tokens=chunk)
-        if backward:
-            log_probs.sum().backward()
+    measured = logprob_chunk_peak(positions=positions, hidden=hidden, vocab=vocab, chunk_tokens=chunk,
+                                  backward=backward, with_entropy=with_entropy, mixed=mixed)
     predicted = memory.logprob_chunk_bytes(positions, vocab, chunk, compute_bytes=2 if mixed else 4,
                                            with_entropy=with_entropy, backward=backward)
-    assert close(predicted, live.peak), (predicted, live.peak)
+    assert close(predicted, measured), (predicted, measured)
 
 
 # ----------------------------------------------------------------------------- the command
