@@ -98,8 +98,8 @@ def build_plan(config, *, gpus: int, gpu_memory: int | None) -> dict:
             raise ConfigError(f"config key 'algorithm.teacher.model_path' = {teacher.model_path!r}: "
                               f"cannot read the model's config ({exc})") from None
     settings = settings_from_config(config, gpus=gpus, teacher_parameters=teacher_parameters)
-    image_tokens = (image_tokens_per_image(model.model_path, min_pixels=config.data.min_pixels,
-                                           max_pixels=config.data.max_pixels, trust_remote_code=model.trust_remote_code)
+    image_tokens = (image_tokens_per_image(model.model_path, max_pixels=config.data.max_pixels,
+                                           trust_remote_code=model.trust_remote_code)
                     if actor_shape.is_vlm else None)
     plan = plan_memory(actor_shape, settings, gpu_memory, image_tokens_per_image=image_tokens)
     advice = suggestions(actor_shape, settings, gpu_memory, shape, image_tokens=image_tokens) \

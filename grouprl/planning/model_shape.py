@@ -11,6 +11,7 @@ embeddings counted once, LoRA adapters through peft on the same meta model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,14 +95,15 @@ def model_shape(path: str, *, trust_remote_code: bool = False, lora_rank: int = 
         checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None)
 
 
-def image_tokens_per_image(path: str, *, min_pixels: int | None, max_pixels: int | None,
-                           trust_remote_code: bool = False) -> int | None:
+def image_tokens_per_image(path: str, *, max_pixels: int | None, trust_remote_code: bool = False) -> int | None:
     """Tokens of the largest image the data settings allow, by the model's own image processor.
 
-    The processor class the checkpoint names (``AutoImageProcessor``) resizes an image to at most
-    ``max_pixels`` (``data.max_pixels``, else the processor's own limit) and reports its patches
-    (``get_number_of_image_patches``, the Qwen-VL family's ``smart_resize``); the language model
-    sees ``patches / merge_size^2`` tokens. None when the processor cannot say.
+    grouprl resizes each image to at most ``data.max_pixels`` (``grouprl.data.images``), then the
+    processor the checkpoint names (``AutoImageProcessor``) applies its own bounds and reports the
+    patches of a ``side x side`` image (``get_number_of_image_patches``: the Qwen-VL family's
+    ``smart_resize``); the language model sees ``patches / merge_size^2`` tokens. The image is a
+    square of ``max_pixels`` (without it, one larger than any processor keeps: its own maximum
+    applies). None when the checkpoint has no image processor or it cannot count patches.
     """
     from transformers import AutoImageProcessor
 
@@ -110,16 +112,11 @@ def image_tokens_per_image(path: str, *, min_pixels: int | None, max_pixels: int
     try:
         processor = _from_path(AutoImageProcessor.from_pretrained, path, "image processor",
                                trust_remote_code=trust_remote_code)
-    except Exception:  # a text model has no image processor
+    except (OSError, ValueError):  # a text model has no image processor
         return None
     count = getattr(processor, "get_number_of_image_patches", None)
     if count is None:
         return None
-    limit = max_pixels or getattr(processor, "max_pixels", None) or (processor.size or {}).get("longest_edge")
-    if not limit:
-        return None
-    side = int(limit ** 0.5)
-    kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-    patches = count(side, side, kwargs)
+    side = math.isqrt(max_pixels) if max_pixels else 2**15
     merge = getattr(processor, "merge_size", 1) or 1
-    return patches // (merge * merge)
+    return count(side, side, {}) // (merge * merge)

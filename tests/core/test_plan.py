@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -129,6 +130,25 @@ def test_logprob_chunk_peak_matches_the_live_peak(backward, with_entropy, mixed)
     assert close(predicted, measured), (predicted, measured)
 
 
+@pytest.mark.parametrize("max_pixels", [56 * 56, 200 * 200, None])
+def test_image_tokens_are_the_model_processors_count(tiny_vlm, max_pixels):
+    """The plan's image tokens equal what the processor writes for the largest image grouprl lets through."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from grouprl.data.images import resize_to_pixel_range
+    from grouprl.planning.model_shape import image_tokens_per_image
+
+    path = tiny_vlm(["Describe the picture."], seed=0)
+    side = math.isqrt(max_pixels) if max_pixels else 1000
+    image = resize_to_pixel_range(Image.new("RGB", (side, side)), max_pixels=max_pixels)
+    processor = AutoImageProcessor.from_pretrained(path)
+    grid = processor(images=[image], return_tensors="pt")["image_grid_thw"]
+    written = int(grid.prod()) // processor.merge_size ** 2
+    assert image_tokens_per_image(str(path), max_pixels=max_pixels) == written > 0
+    assert model_shape(str(path)).is_vlm
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -169,10 +189,16 @@ def test_plan_command_prints_the_table_and_json(run, capsys):
     code, out, err = _plan(capsys, model, "--gpu-memory", "80")
     assert code == 0, err
     assert "activations" in out and "fits" in out
-    code, out, err = _plan(capsys, model, "--gpus", "2", "worker.actor.strategy=fsdp", "--gpu-memory", "80", "--json")
+    code, out, err = _plan(capsys, model, "--gpus", "2", "worker.actor.strategy=fsdp", "algorithm.kl_coef=0.01",
+                           "--gpu-memory", "80", "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["gpus"] == 2 and result["fits"] is True and result["settings"]["sharded"] is True
+    # FSDP over 2: half the fp32 weights, gradients and AdamW state on each device; the frozen copies whole
+    shape = run["shape"]
+    assert result["parts"]["weights"] == math.ceil(shape.parameters / 2) * 4
+    assert result["parts"]["optimizer_state"] == 2 * result["parts"]["gradients"] == 2 * result["parts"]["weights"]
+    assert result["parts"]["reference"] == shape.parameters * 4  # float32 run: the reference in fp32
 
 
 @pytest.mark.parametrize("argv, message", [
