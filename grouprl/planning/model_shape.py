@@ -62,7 +62,9 @@ def model_shape(path: str, *, trust_remote_code: bool = False, lora_rank: int = 
 
     from grouprl.models.loading import _from_path, apply_lora, freeze, is_vision_language_config
 
-    config = _from_path(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
+    # offline: a plan reads what is here (a directory or the Hugging Face cache), never the network
+    config = _from_path(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code,
+                        local_files_only=True)
     is_vlm = is_vision_language_config(config)
     auto = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
     with torch.device("meta"):
@@ -111,7 +113,7 @@ def image_tokens_per_image(path: str, *, max_pixels: int | None, trust_remote_co
 
     try:
         processor = _from_path(AutoImageProcessor.from_pretrained, path, "image processor",
-                               trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError):  # a text model has no image processor
         return None
     count = getattr(processor, "get_number_of_image_patches", None)

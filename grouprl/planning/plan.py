@@ -12,7 +12,8 @@ takes the largest:
   (``worker.rollout.enable_sleep_mode``), the reference and the teacher unless offloaded.
 
 ``suggestions(...)`` re-plans the run with each cheap change applied (checkpointing, a smaller
-micro-batch, CPU offload, LoRA, more GPUs under FSDP): every figure is a plan, not a percentage.
+micro-batch, fewer sequences generated at once, CPU offload, LoRA, more GPUs under FSDP): every figure
+is a plan, not a percentage; a change that does not lower the peak is left out.
 """
 
 from __future__ import annotations
@@ -266,6 +267,17 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
             candidates.append((f"micro-batch {rows}", [f"worker.actor.micro_batch_size_per_device_for_update={rows}"],
                                s, shape))
             break
+    if settings.engine != "vllm":
+        # the hf engines' KV cache grows with the sequences generated at once
+        sequences = -(-settings.rollout_batch_size * settings.n // settings.gpus)
+        at_once = min(settings.rollout_micro_batch or sequences, sequences)
+        while at_once > 1:
+            at_once //= 2
+            s = dataclasses.replace(settings, rollout_micro_batch=at_once)
+            if at_once == 1 or peak(s).fits:
+                candidates.append((f"generate {at_once} sequences at a time",
+                                   [f"worker.rollout.micro_batch_size={at_once}"], s, shape))
+                break
     if not settings.offload_optimizer:
         candidates.append(("offload the optimizer state", ["worker.actor.offload.offload_optimizer=true"],
                            dataclasses.replace(settings, offload_optimizer=True), shape))
@@ -284,6 +296,9 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
         if gpus == 64 or peak(s).fits:
             candidates.append((f"FSDP over {gpus} GPUs", ["worker.actor.strategy=fsdp", f"--gpus {gpus}"], s, shape))
             break
+    base = peak(settings).peak
+    # a change that does not lower the peak (it acts on another phase) is no advice
+    candidates = [c for c in candidates if peak(c[2], c[3]).peak < base]
     out = [Suggestion(name, overrides, peak(s, sh).peak, peak(s, sh).fits) for name, overrides, s, sh in candidates]
     if gpu_memory is not None and not any(x.fits for x in out):
         # none alone: add them up in order until the plan fits
