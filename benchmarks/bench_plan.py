@@ -126,7 +126,7 @@ def main() -> None:
     params = next(iter(results.values()))["parameters"]
     print(f"\nplan vs live bytes, {args.shape} shape ({params / 1e6:.0f}M parameters), {args.device}, "
           f"{args.prompts} prompts x {args.n} samples x {args.tokens} tokens, micro-batch {args.micro_batch}, KL on\n")
-    print(f"| mode | part | predicted MiB | measured MiB | predicted / measured |\n|---|---|---:|---:|---:|")
+    print("| mode | part | predicted MiB | measured MiB | predicted / measured |\n|---|---|---:|---:|---:|")
     for mode, result in results.items():
         for part, (predicted, measured) in result["rows"].items():
             ratio = f"{predicted / measured:.3f}" if measured else ("-" if predicted == 0 else "inf")

@@ -79,7 +79,8 @@ def layer_activation_bytes(tokens: int, *, hidden: int, kv_dim: int, intermediat
     if residual_bytes == compute_bytes:
         per_token = compute_bytes * (8 * hidden + 2 * kv_dim + 4 * intermediate)
     else:
-        per_token = residual_bytes * (4 * hidden + kv_dim) + compute_bytes * (7 * hidden + 4 * kv_dim + 4 * intermediate)
+        per_token = (residual_bytes * (4 * hidden + kv_dim)
+                     + compute_bytes * (7 * hidden + 4 * kv_dim + 4 * intermediate))
     per_token += 4 * heads
     total = tokens * per_token
     if masked and grouped:

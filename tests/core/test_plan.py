@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from grouprl.config import ConfigError, config_from_dict
+from grouprl.config import config_from_dict
 from grouprl.planning import memory
 from grouprl.planning.live_bytes import storage_bytes
 from grouprl.planning.model_shape import model_shape
