@@ -12,13 +12,15 @@ takes the largest:
   (``worker.rollout.enable_sleep_mode``), the reference and the teacher unless offloaded.
 
 ``suggestions(...)`` re-plans the run with each cheap change applied (checkpointing, a smaller
-micro-batch, fewer sequences generated at once, CPU offload, LoRA, more GPUs under FSDP): every figure
+micro-batch, fewer sequences generated at once, vLLM's share cut to what a step's sequences need, CPU
+offload, LoRA, more GPUs under FSDP): every figure
 is a plan, not a percentage; a change that does not lower the peak is left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -267,6 +269,18 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
             candidates.append((f"micro-batch {rows}", [f"worker.actor.micro_batch_size_per_device_for_update={rows}"],
                                s, shape))
             break
+    if settings.engine == "vllm" and gpu_memory:
+        # vLLM's share need only hold its bf16 weights and the KV cache of a step's sequences (rounded up
+        # to 0.05); more only lets it batch more at once
+        _, _, frozen_b, _ = precision_bytes(settings, shape)
+        sequences = -(-settings.rollout_batch_size * settings.n // settings.gpus)
+        need = (memory.weights_bytes(shape.parameters, frozen_b) + sequences * (settings.prompt_length
+                + settings.response_length) * memory.kv_cache_bytes_per_token(shape.layers, shape.kv_heads,
+                                                                               shape.head_dim, frozen_b))
+        share = math.ceil(20 * need / gpu_memory) / 20
+        if share < settings.gpu_memory_utilization:
+            candidates.append((f"vLLM's share {share:.2f}", [f"worker.rollout.gpu_memory_utilization={share:.2f}"],
+                               dataclasses.replace(settings, gpu_memory_utilization=share), shape))
     if settings.engine != "vllm":
         # the hf engines' KV cache grows with the sequences generated at once
         sequences = -(-settings.rollout_batch_size * settings.n // settings.gpus)

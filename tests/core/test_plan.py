@@ -219,3 +219,23 @@ def test_an_unresolvable_model_names_the_key(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, _, err = _plan(capsys, f"worker.actor.model.model_path={tmp_path / 'empty'}")
     assert code == 2 and "worker.actor.model.model_path" in err and "config.json" in err, err
+
+
+def test_a_colocated_vllm_share_that_does_not_fit_is_cut_to_what_the_step_needs(run):
+    from grouprl.planning.command import build_plan
+
+    config = run["config"]
+    # short prompts: the generation phase, where vLLM's share sits, is the peak
+    vllm = dataclasses.replace(config, data=dataclasses.replace(config.data, max_prompt_length=16),
+                               worker=dataclasses.replace(config.worker, rollout=dataclasses.replace(
+                                   config.worker.rollout, engine="vllm", gpu_memory_utilization=0.9)))
+    at_rest = build_plan(vllm, gpus=1, gpu_memory=None)["phase_totals"]["generation"]  # no share without a size
+    memory_size = 5 * at_rest
+    result = build_plan(vllm, gpus=1, gpu_memory=memory_size)
+    assert result["fits"] is False and result["parts"]["vllm"] == int(0.9 * memory_size)
+    share = next(s for s in result["suggestions"] if s["change"].startswith("vLLM's share"))
+    value = float(share["overrides"][0].split("=")[1])
+    assert 0 < value < 0.9 and share["fits"] is True
+    cut = dataclasses.replace(vllm, worker=dataclasses.replace(vllm.worker, rollout=dataclasses.replace(
+        vllm.worker.rollout, gpu_memory_utilization=value)))
+    assert share["peak_bytes"] == build_plan(cut, gpus=1, gpu_memory=memory_size)["peak_bytes"]
