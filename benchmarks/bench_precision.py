@@ -85,15 +85,10 @@ def build(root: Path, shape: str) -> Path:
     return root
 
 
-def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: int, micro_batch: int = 4,
-             chunk_tokens: int | None = None) -> dict:
-    """Runs in the subprocess: one training step in ``mode``; returns what it measured."""
-    import torch
-
-    from grouprl.config import load_config
-    from grouprl.trainer.grpo import GRPOTrainer
-
-    overrides = {
+def step_overrides(root: Path, mode: str, device: str, prompts: int, n: int, tokens: int, micro_batch: int = 4,
+                   chunk_tokens: int | None = None) -> dict:
+    """The config of one step in ``mode`` (dotted keys; ``benchmarks/bench_plan.py`` plans the same run)."""
+    return {
         "data.train_files": [str(root / "train.jsonl")], "data.max_response_length": tokens,
         "data.rollout_batch_size": prompts, "worker.actor.global_batch_size": prompts,
         "worker.actor.model.model_path": str(root / "model"), "worker.rollout.n": n,
@@ -106,6 +101,17 @@ def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: i
         "trainer.log_rollouts": False, "trainer.output_dir": str(root / f"run_{mode}"), "trainer.save_freq": 10,
         **MODES[mode],
     }
+
+
+def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: int, micro_batch: int = 4,
+             chunk_tokens: int | None = None) -> dict:
+    """Runs in the subprocess: one training step in ``mode``; returns what it measured."""
+    import torch
+
+    from grouprl.config import load_config
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    overrides = step_overrides(root, mode, device, prompts, n, tokens, micro_batch, chunk_tokens)
     config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     trainer = GRPOTrainer(config)
     # gradients live from the backward to the optimizer step: measure them there

@@ -616,6 +616,7 @@ COMMANDS.register("report", Command("write a run's HTML report (curves, rollouts
 COMMANDS.register("demo", Command("run a demo on CPU with tiny models, nothing downloaded (grouprl demo --help "
                                   "lists them)", cmd_demo, _demo_arguments))
 COMMANDS.register("doctor", "grouprl.doctor:DOCTOR")
+COMMANDS.register("plan", "grouprl.planning.command:PLAN")
 
 
 if __name__ == "__main__":  # `python -m grouprl.cli`: the imported module holds what the plugins register

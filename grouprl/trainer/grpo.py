@@ -48,6 +48,25 @@ from grouprl.trainer.update import Normalisers, UpdateSettings, run_update
 from grouprl.trainer.val_metrics import group_rows, record_val_metrics
 
 
+def reference_model_needed(config: Config) -> bool:
+    """Whether the run loads a separate reference model: a KL term and no LoRA (with LoRA the reference
+    is the policy with its adapters off: no second copy). ``grouprl plan`` asks the same question."""
+    return config.algorithm.kl_coef > 0 and config.worker.actor.model.lora.rank <= 0
+
+
+def rollout_weights(engine_owns_weights: bool, precision_rollout_copy: bool, *, sharded: bool,
+                    async_mode: str) -> tuple[bool, bool]:
+    """``(holds_weights, copy_here)``: whether generation samples from weights of its own, and whether
+    grouprl holds that copy itself (not an engine that loads its own, vLLM). ``grouprl plan`` uses it too.
+
+    A copy when the policy's own weights cannot serve: fp32 masters (sampling from a bf16 copy reads half
+    the bytes per token), an FSDP policy (its forward passes are collectives that generation cannot keep in
+    step), one_step_off (generation samples while the policy trains), or an engine that loads its own.
+    """
+    holds = engine_owns_weights or precision_rollout_copy or sharded or async_mode == "one_step_off"
+    return holds, holds and not engine_owns_weights
+
+
 def build_rewards(config: Config, *, optional: bool = False):
     """The run's RewardSet; with none configured, None when ``optional`` (pure distillation), else a ConfigError."""
     from grouprl.rewards import RewardComponent, RewardLoadError, RewardSet, RewardSpec
@@ -369,7 +388,7 @@ class GRPOTrainer(TrainingLoop):
         self.loss_options = resolve_options(config, "policy_loss")
         self.uses_lora = actor.model.lora.rank > 0
         self.ref_model = None  # a FrozenModel: on the CPU between its forwards when worker.ref.offload says so
-        if config.algorithm.kl_coef > 0 and not self.uses_lora:
+        if reference_model_needed(config):
             from grouprl.models.frozen import FrozenModel
 
             # with LoRA the reference is the policy with adapters off: no second copy
@@ -403,9 +422,8 @@ class GRPOTrainer(TrainingLoop):
         # or an engine that loads its own (vLLM).
         engine_cls = engine_class(roll.engine)
         # one_step_off samples while the policy trains: generation needs weights of its own
-        holds_weights = (engine_cls.owns_weights or self.precision.rollout_copy or self.sharded
-                         or t.async_mode == "one_step_off")
-        copy_here = holds_weights and not engine_cls.owns_weights
+        holds_weights, copy_here = rollout_weights(engine_cls.owns_weights, self.precision.rollout_copy,
+                                                   sharded=self.sharded, async_mode=t.async_mode)
         rollout_model = self._frozen_copy(actor.model.model_path) if copy_here else self.policy
         self.engine = engine_cls.from_config(rollout_model, self.processor, config=config, holds_weights=holds_weights)
         self._sync_rollout_weights()

@@ -259,3 +259,15 @@ def test_bench_clinical_grpo_requests_vary_their_reference(monkeypatch):
     assert 8 <= repeated < 40  # about a tenth of the 128 that can repeat, beside chance equalities
     distinct_hyps, distinct_refs = bench.shapes(32, 5, seed=3)["distinct"]
     assert len(set(distinct_hyps)) == len(set(distinct_refs)) == 160
+
+
+def test_bench_plan_smoke(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("bench_plan.py", "--device", "cpu", "--modes", "mixed", "--prompts", "1", "--n", "2", "--tokens", "4",
+               "--out", str(out), cwd=tmp_path)
+    assert "| mixed | activations |" in proc.stdout
+    rows = json.loads(out.read_text())["results"]["mixed"]["rows"]
+    # the weights' parts are exact; every part the plan predicts is within 15% of the live bytes
+    assert rows["weights"][0] == rows["weights"][1] > 0 and rows["rollout_copy"][0] == rows["rollout_copy"][1] > 0
+    for part, (predicted, measured) in rows.items():
+        assert abs(predicted - measured) <= 0.15 * measured, (part, predicted, measured)

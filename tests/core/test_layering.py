@@ -31,7 +31,7 @@ CORE_LAYERS = [
     ["grouprl.rollout"],
     ["grouprl.trainer"],
     ["grouprl.report"],
-    ["grouprl.cli", "grouprl.__main__", "grouprl.doctor", "grouprl"],
+    ["grouprl.cli", "grouprl.__main__", "grouprl.doctor", "grouprl", "grouprl.planning"],
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)
 REGISTRY_LOOKUPS = {"grouprl.config.algorithm_options": {"grouprl.algorithms"},
