@@ -154,7 +154,7 @@ def tensor_bytes(trainer) -> dict[str, int]:
         "trained_weights": size(p for p in params if p.requires_grad),
         "frozen_weights": size(p for p in params if not p.requires_grad),
         "optimizer_state": size(state),
-        "reference": size(trainer.ref_model.parameters()) if trainer.ref_model is not None else 0,
+        "reference": size(trainer.ref_model.model.parameters()) if trainer.ref_model is not None else 0,
         "rollout_copy": size(trainer.engine.model.parameters()) if trainer.engine.holds_weights else 0,
     }
     return out

@@ -51,7 +51,7 @@ def run(say_task, tmp_path_factory):
     trainer.step(1)
     states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     measured = {"weights": storage_bytes(trainer.policy.parameters()), "optimizer_state": storage_bytes(states),
-                "gradients": max(grads), "reference": storage_bytes(trainer.ref_model.parameters()),
+                "gradients": max(grads), "reference": storage_bytes(trainer.ref_model.model.parameters()),
                 "rollout_copy": storage_bytes(trainer.engine.model.parameters())}
     shape = model_shape(str(task.model))
     plan = plan_memory(shape, settings_from_config(config), None)
