@@ -74,8 +74,6 @@ def settings_from_config(config, *, gpus: int = 1, teacher_parameters: int = 0) 
     from grouprl.trainer.grpo import reference_model_needed
 
     actor, roll, data = config.worker.actor, config.worker.rollout, config.data
-    offload = getattr(actor, "offload", None)  # the offload keys may not be in this schema yet
-    ref_offload = getattr(config.worker.ref, "offload", None)
     teacher = config.algorithm.teacher
     return RunSettings(
         gpus=gpus, sharded=actor.strategy == "fsdp", dtype=actor.model.dtype, optim_strategy=actor.optim.strategy,
@@ -89,9 +87,10 @@ def settings_from_config(config, *, gpus: int = 1, teacher_parameters: int = 0) 
         engine_owns_weights=engine_class(roll.engine).owns_weights, async_mode=config.trainer.async_mode,
         rollout_micro_batch=roll.micro_batch_size, gpu_memory_utilization=roll.gpu_memory_utilization,
         sleep_mode=roll.enable_sleep_mode,
-        offload_params=bool(getattr(offload, "offload_params", False)),
-        offload_optimizer=bool(getattr(offload, "offload_optimizer", False)),
-        ref_offload=bool(getattr(ref_offload, "offload_params", False)),
+        # either key turns on FSDP2's CPUOffloadPolicy, which moves parameters, gradients and AdamW state
+        # together (grouprl.trainer.parallel.offload_policy)
+        offload_params=actor.offload.enabled, offload_optimizer=actor.offload.enabled,
+        ref_offload=config.worker.ref.offload.offload_params,
         teacher_parameters=teacher_parameters,
         teacher_bytes=4 if teacher.dtype == "float32" else 2, teacher_offload=teacher.offload,
         images_per_prompt=(roll.limit_images or 1), entropy_grad=actor.entropy_coeff != 0)
@@ -292,23 +291,30 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
                 candidates.append((f"generate {at_once} sequences at a time",
                                    [f"worker.rollout.micro_batch_size={at_once}"], s, shape))
                 break
-    if not settings.offload_optimizer:
-        candidates.append(("offload the optimizer state", ["worker.actor.offload.offload_optimizer=true"],
-                           dataclasses.replace(settings, offload_optimizer=True), shape))
-    if not settings.offload_params:
+    if settings.reference and not settings.ref_offload:
+        candidates.append(("offload the reference model", ["worker.ref.offload.offload_params=true"],
+                           dataclasses.replace(settings, ref_offload=True), shape))
+    if not settings.offload_params and settings.lora_rank == 0:
+        # FSDP2's CPUOffloadPolicy: needs the fsdp strategy, which LoRA cannot use
         candidates.append(("offload parameters and optimizer state",
-                           ["worker.actor.offload.offload_params=true", "worker.actor.offload.offload_optimizer=true"],
-                           dataclasses.replace(settings, offload_params=True, offload_optimizer=True), shape))
-    if settings.lora_rank == 0:
+                           ([] if settings.sharded else ["worker.actor.strategy=fsdp"])
+                           + ["worker.actor.offload.offload_params=true"],
+                           dataclasses.replace(settings, sharded=True, offload_params=True, offload_optimizer=True),
+                           shape))
+    if settings.lora_rank == 0 and not settings.sharded:  # FSDP with LoRA is refused
         lora = dataclasses.replace(settings, lora_rank=64, lora_alpha=128, reference=False)
         candidates.append(("LoRA rank 64", ["worker.actor.model.lora.rank=64", "worker.actor.model.lora.alpha=128"],
                            lora, shape_with_lora(64)))
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus <= settings.gpus:
             continue
-        s = dataclasses.replace(settings, gpus=gpus, sharded=True)
+        # with LoRA (which FSDP refuses) more processes only split the step's sequences
+        shard = settings.lora_rank == 0
+        s = dataclasses.replace(settings, gpus=gpus, sharded=settings.sharded or shard)
         if gpus == 64 or peak(s).fits:
-            candidates.append((f"FSDP over {gpus} GPUs", ["worker.actor.strategy=fsdp", f"--gpus {gpus}"], s, shape))
+            candidates.append((f"FSDP over {gpus} GPUs" if shard else f"{gpus} GPUs (data parallel)",
+                               (["worker.actor.strategy=fsdp"] if shard and not settings.sharded else [])
+                               + [f"--gpus {gpus}"], s, shape))
             break
     base = peak(settings).peak
     # a change that does not lower the peak (it acts on another phase) is no advice
@@ -320,6 +326,8 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
         for name, extra, s, shape_s in candidates:
             changed = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
                        if getattr(s, f.name) != getattr(settings, f.name)}
+            if (changed.get("sharded") and combined.lora_rank) or (changed.get("lora_rank") and combined.sharded):
+                continue  # FSDP (and offload through it) and LoRA do not go together
             combined = dataclasses.replace(combined, **changed)
             sh = shape_s if shape_s is not shape else sh
             names.append(name)

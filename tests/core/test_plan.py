@@ -184,6 +184,25 @@ def test_plan_json_has_the_documented_keys_and_its_suggestions_are_replans(run, 
     assert fsdp and fsdp[0]["peak_bytes"] < result["peak_bytes"]
 
 
+def test_every_suggestion_is_a_config_grouprl_accepts(run):
+    """A suggestion's overrides load on top of the run's config (offload comes with the fsdp strategy it needs,
+    LoRA without it), and the combined one too."""
+    from grouprl.config.load import load_config, to_dict
+    from grouprl.planning.command import build_plan
+
+    config = run["config"]
+    peak = build_plan(config, gpus=1, gpu_memory=None)["peak_bytes"]
+    for gpu_memory in (1, peak - 1):  # nothing fits alone (the combined suggestion comes), or some do
+        result = build_plan(config, gpus=1, gpu_memory=gpu_memory)
+        assert result["suggestions"]
+        for suggestion in result["suggestions"]:
+            overrides = [o for o in suggestion["overrides"] if not o.startswith("--")]
+            load_config(None, overrides, base=to_dict(config))
+    with_offload = {s["change"]: s["overrides"] for s in build_plan(config, gpus=1, gpu_memory=1)["suggestions"]}
+    assert with_offload["offload parameters and optimizer state"] == [
+        "worker.actor.strategy=fsdp", "worker.actor.offload.offload_params=true"]
+
+
 def test_plan_command_prints_the_table_and_json(run, capsys):
     model = f"worker.actor.model.model_path={run['task'].model}"
     code, out, err = _plan(capsys, model, "--gpu-memory", "80")
