@@ -6,12 +6,14 @@
     grouprl validate config.yaml --checkpoint best  # the configured validation only, to validation.json
     grouprl export runs/x/checkpoints/global_step_10 --out merged/
     grouprl report runs/x                          # runs/x/report.html: open it in a browser, offline
+    grouprl plan config.yaml --gpus 4 --gpu-memory 80   # memory per device before a run, and what makes it fit
+    grouprl doctor config.yaml                     # what would stop the run: versions, GPUs, paths, rewards, servers
     grouprl generate --model merged/ --data test.jsonl --out preds.jsonl
     grouprl eval --data preds.jsonl --out eval/ --clean
     grouprl serve rewards --port 5000               # EditGRPO-compatible reward server
     grouprl sample --data vqa.jsonl --predictions preds.jsonl --strategy hard --n 1000 --out hard.jsonl
 
-The core holds `train`, `validate`, `sft`, `export`, `report` and `demo`; a domain plugin adds its commands to
+The core holds `train`, `validate`, `sft`, `export`, `report`, `plan`, `doctor` and `demo`; a domain plugin adds its commands to
 ``COMMANDS`` (the radiology plugin: `generate`, `eval`, `sample`, `serve rewards`) and its
 demos to ``DEMOS`` (chosen by a flag of `grouprl demo`). The parser is built from both
 registries, so building it loads the installed plugins and `grouprl --help` lists them all.
