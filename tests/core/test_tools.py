@@ -248,3 +248,21 @@ def test_a_tool_dialogue_renders_through_the_qwen_template():
     assert '"name": "add"' in rendered and '"description": "Add two integers."' in rendered  # the schema, in <tools>
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in rendered
     assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in rendered
+
+
+@pytest.mark.parametrize("template, header, end", [
+    ("Qwen2.5-Instruct", "<|im_start|>assistant\n", "<|im_end|>"),
+    ("Qwen3", "<|im_start|>assistant\n", "<|im_end|>"),
+    ("llama3_1", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+])
+def test_the_chosen_parser_reads_back_the_calls_the_template_writes(template, header, end):
+    tokenizer = build_tokenizer(["What is 2 plus 3?"])
+    tokenizer.chat_template = (llama3_template() if template == "llama3_1"
+                               else (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8"))
+    call = ToolCall("add", {"a": 2, "b": 3})
+    messages = [{"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": "", "tool_calls": [call.as_message_part()]},
+                {"role": "tool", "name": "add", "content": "5"}]
+    rendered = tokenizer.apply_chat_template(messages, tools=[tool_schema(add)], tokenize=False)
+    written = rendered.split(header)[-1].split(end)[0]  # the assistant turn as the policy would sample it
+    assert parse_tool_calls(written, parser_for_template(tokenizer.chat_template)).calls == [call]
