@@ -257,12 +257,12 @@ class RewardSet:
                     # the reward cannot take this batch's arguments: a contract error whatever on_error says
                     _close(aw for _, aw, _ in pending)
                     raise problem
-            if self.contract.threads and not _is_async(comp.fn):
+            if self.contract.threads and not is_async(comp.fn):
                 pending.append((i, _in_thread(comp.fn, args, kwargs, comp.key, self.timeout), None))
                 continue
             started = time.monotonic()
             try:
-                if self.timeout is None or _is_async(comp.fn):
+                if self.timeout is None or is_async(comp.fn):
                     out = comp.fn(*args, **kwargs)  # an async one only makes its coroutine here
                 else:
                     out = _call_within(comp.fn, args, kwargs, comp.key, self.timeout)
@@ -275,7 +275,7 @@ class RewardSet:
             if inspect.isawaitable(out):
                 # a plain callable that handed back an awaitable has the rest of its time for it
                 left = self.timeout
-                if left is not None and not _is_async(comp.fn):
+                if left is not None and not is_async(comp.fn):
                     left = max(0.0, left - (time.monotonic() - started))
                 pending.append((i, out, left))
             else:
@@ -557,14 +557,15 @@ def _singular(plural: str) -> str:
     return plural[:-1] if plural.endswith("s") else plural
 
 
-def _is_async(fn: Any) -> bool:
+def is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` (a function, a partial of one or an object with ``__call__``) gives a coroutine."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _start_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str,
-                  ) -> concurrent.futures.Future:
+def start_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str,
+                 ) -> concurrent.futures.Future:
     """``fn(*args, **kwargs)`` in a new daemon thread; its future.
 
     Not a pool's thread: a reward that timed out is abandoned, and a daemon thread neither
@@ -606,7 +607,7 @@ def _cuda_device() -> int | None:
 
 def _call_within(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], key: str, limit: float) -> Any:
     """A plain reward's result, waited for at most ``limit`` seconds (then it is abandoned)."""
-    future = _start_thread(fn, args, kwargs, key)
+    future = start_thread(fn, args, kwargs, key)
     # wait(), not result(timeout): a TimeoutError the reward raises itself is its own error
     concurrent.futures.wait([future], timeout=limit)
     if not future.done():
@@ -618,7 +619,7 @@ async def _in_thread(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, 
                      limit: float | None) -> Any:
     """A plain reward run in its own thread while the event loop runs the others, within ``limit`` seconds."""
     started = time.monotonic()
-    future = asyncio.wrap_future(_start_thread(fn, args, kwargs, key))
+    future = asyncio.wrap_future(start_thread(fn, args, kwargs, key))
     if limit is not None:
         done, _ = await asyncio.wait({future}, timeout=limit)
         if not done:

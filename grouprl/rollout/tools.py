@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable
 
 from grouprl.registry import Registry
 from grouprl.rewards.registry import RewardLoadError, get_reward
-from grouprl.rewards.scoring import _is_async, _start_thread
+from grouprl.rewards.scoring import is_async, start_thread
 
 
 class ToolLoadError(ValueError):
@@ -343,12 +343,12 @@ class ToolRunner:
 
     def _call(self, tool: Tool, arguments: dict) -> Any:
         fn: Callable[..., Any] = tool.fn
-        if _is_async(fn):
+        if is_async(fn):
             coroutine_fn = fn
             fn = lambda **kw: asyncio.run(coroutine_fn(**kw))  # noqa: E731 - its own loop in its own thread
         if self.limits.timeout is None:
             return fn(**arguments)
-        future = _start_thread(fn, [], dict(arguments), f"tool-{tool.name}")
+        future = start_thread(fn, [], dict(arguments), f"tool-{tool.name}")
         # wait(), not result(timeout): a TimeoutError the tool raises itself is its own error
         concurrent.futures.wait([future], timeout=self.limits.timeout)
         if not future.done():
