@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_precision import MODES, SHAPES, build, one_step, step_overrides  # noqa: E402
+from bench_precision import MODES, SHAPES, build, one_step, run_child, step_overrides  # noqa: E402
 
 DEFAULT_MODES = ["fp32", "mixed", "lora"]
 WEIGHT_PARTS = {"weights": ("trained_weights", "frozen_weights"), "optimizer_state": ("optimizer_state",),
@@ -116,11 +115,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--_child", str(root), mode, "--device", args.device,
                    "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens),
                    "--micro-batch", str(args.micro_batch)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode or line is None:
-                sys.exit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
-            results[mode] = json.loads(line[len("RESULT "):])
+            results[mode] = run_child(cmd, mode)
             print(f"{mode}: done", file=sys.stderr)
 
     params = next(iter(results.values()))["parameters"]

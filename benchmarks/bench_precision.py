@@ -136,17 +136,19 @@ def one_step(root: Path, mode: str, device: str, prompts: int, n: int, tokens: i
             "loss": metrics.get("actor/pg_loss")}
 
 
+def run_child(cmd: list[str], mode: str) -> dict:
+    """Run one mode's subprocess (its own process, so its memory is its own); the dict it printed after RESULT."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        sys.exit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 def tensor_bytes(trainer) -> dict[str, int]:
     """Bytes of the live tensors of each part of the run (shared storage counted once)."""
 
-    def size(tensors) -> int:
-        seen, total = set(), 0
-        for t in tensors:
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+    from grouprl.planning.live_bytes import storage_bytes as size
 
     params = list(trainer.policy.parameters())
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage") and v.dim()]
@@ -195,11 +197,7 @@ def main() -> None:
                    "--micro-batch", str(args.micro_batch)]
             if args.chunk_tokens is not None:
                 cmd += ["--chunk-tokens", str(args.chunk_tokens)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode or line is None:
-                sys.exit(f"mode {mode} failed:\n{proc.stderr[-3000:]}")
-            results[mode] = json.loads(line[len("RESULT "):])
+            results[mode] = run_child(cmd, mode)
             print(f"{mode}: done in {results[mode]['seconds']:.1f} s", file=sys.stderr)
 
     peak_key = "peak_bytes" if device == "cuda" else "peak_rss_bytes"

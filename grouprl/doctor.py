@@ -434,27 +434,19 @@ def model_path_row(key: str, path: str) -> Row:
                           "downloaded at the start (offline, with HF_HUB_OFFLINE=1, it must be cached first)")
 
 
-def data_files(value: Any) -> list[str]:
-    """The files of a ``data.*_files`` value: a list, or one string (comma-separated unless it is one path)."""
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        text = os.fspath(value)
-        items = [text] if os.path.exists(text) else [p.strip() for p in text.split(",")]
-    else:
-        items = [os.fspath(v) for v in value]
-    return [p for p in items if p]
-
-
 def path_rows(config: Any) -> list[Row]:
     """The config's model paths and data files: each present and readable."""
+    from grouprl.data.loading import split_paths
+
     rows = []
     for key in MODEL_KEYS:
         path = _get(config, key)
         if path:
             rows.append(model_path_row(key, str(path)))
     for key in DATA_KEYS:
-        for path in data_files(_get(config, key)):
+        value = _get(config, key)
+        for path in (split_paths(value) if value else []):  # the loader's own reading of the value
+            path = os.fspath(path)
             p = Path(path).expanduser()
             if not p.exists():
                 rows.append(Row(key, BLOCKER, f"{path}: data file not found ({p.absolute()})"))

@@ -156,7 +156,7 @@ def load_samples(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
     )
-    path_list = _split_paths(paths)
+    path_list = split_paths(paths)
     _check_image_dir(image_dir)
     for path in path_list:
         if reader.full:
@@ -372,7 +372,8 @@ def _where(source: str, index: int, field_name: str, message: str) -> str:
     return f"{source}: record {index}: field {field_name!r}: {message}"
 
 
-def _split_paths(paths: PathArg) -> list[str | os.PathLike]:
+def split_paths(paths: PathArg) -> list[str | os.PathLike]:
+    """The files of a ``data.*_files`` value: a list, or one string (comma-separated unless it is one path)."""
     if isinstance(paths, (str, os.PathLike)):
         text = os.fspath(paths)
         # A comma-separated list, unless the whole string is itself a path.

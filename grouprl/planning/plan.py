@@ -58,8 +58,7 @@ class RunSettings:
     rollout_micro_batch: int | None = None
     gpu_memory_utilization: float = 0.6
     sleep_mode: bool = True
-    offload_params: bool = False
-    offload_optimizer: bool = False
+    offload: bool = False  # the actor's parameters, gradients and AdamW state in host memory
     ref_offload: bool = False
     teacher_parameters: int = 0
     teacher_bytes: int = 2
@@ -89,7 +88,7 @@ def settings_from_config(config, *, gpus: int = 1, teacher_parameters: int = 0) 
         sleep_mode=roll.enable_sleep_mode,
         # either key turns on FSDP2's CPUOffloadPolicy, which moves parameters, gradients and AdamW state
         # together (grouprl.trainer.parallel.offload_policy)
-        offload_params=actor.offload.enabled, offload_optimizer=actor.offload.enabled,
+        offload=actor.offload.enabled,
         ref_offload=config.worker.ref.offload.offload_params,
         teacher_parameters=teacher_parameters,
         teacher_bytes=4 if teacher.dtype == "float32" else 2, teacher_offload=teacher.offload,
@@ -158,12 +157,9 @@ def plan_memory(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
         trained, state_b, grad_b = shape.trained_parameters, param_b, param_b
     optimizer = memory.adamw_state_bytes(trained, state_b, shards)
     grads = memory.gradient_bytes(trained, grad_b, shards)
-    if settings.offload_params:
-        weights, grads = 0, 0
-        notes.append("offload_params: parameters and gradients on the host; one layer at a time on the device")
-    if settings.offload_optimizer:
-        optimizer = 0
-        notes.append("offload_optimizer: AdamW state on the host")
+    if settings.offload:
+        weights, grads, optimizer = 0, 0, 0
+        notes.append("offload: parameters, gradients and AdamW state on the host; one layer at a time on the device")
     reference = memory.weights_bytes(shape.parameters, frozen_b) if settings.reference else 0
     _, copy_here = rollout_weights(settings.engine_owns_weights, precision_copy, sharded=settings.sharded,
                                    async_mode=settings.async_mode)
@@ -294,12 +290,12 @@ def suggestions(shape: ModelShape, settings: RunSettings, gpu_memory: int | None
     if settings.reference and not settings.ref_offload:
         candidates.append(("offload the reference model", ["worker.ref.offload.offload_params=true"],
                            dataclasses.replace(settings, ref_offload=True), shape))
-    if not settings.offload_params and settings.lora_rank == 0:
+    if not settings.offload and settings.lora_rank == 0:
         # FSDP2's CPUOffloadPolicy: needs the fsdp strategy, which LoRA cannot use
         candidates.append(("offload parameters and optimizer state",
                            ([] if settings.sharded else ["worker.actor.strategy=fsdp"])
                            + ["worker.actor.offload.offload_params=true"],
-                           dataclasses.replace(settings, sharded=True, offload_params=True, offload_optimizer=True),
+                           dataclasses.replace(settings, sharded=True, offload=True),
                            shape))
     if settings.lora_rank == 0 and not settings.sharded:  # FSDP with LoRA is refused
         lora = dataclasses.replace(settings, lora_rank=64, lora_alpha=128, reference=False)
