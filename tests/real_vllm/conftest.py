@@ -20,8 +20,10 @@ Tiny models have a head size of 32, the smallest vLLM's CPU attention accepts.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +105,26 @@ def lm_path(tiny_text_lm):
 def vlm_path(tiny_vlm):
     """A tiny Qwen2.5-VL with head size 32."""
     return tiny_vlm(CORPUS, seed=5, **TINY)
+
+
+@pytest.fixture(scope="session")
+def two_cpu_processes(device):
+    """Skips on CUDA: torchrun's two processes share this machine's CPU and gloo; two GPUs and NCCL are
+    another test."""
+    if device.name != "cpu":
+        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+
+
+@pytest.fixture(scope="session")
+def run_distributed_script(lm_path, device, torchrun, tmp_path_factory):
+    """``run_distributed_script(name)``: ``tests/real_vllm/distributed/<name>`` under torchrun's two
+    processes on the tiny LM; what each process wrote, ``{rank: result}``."""
+
+    def run(name: str) -> dict[int, dict]:
+        out = tmp_path_factory.mktemp(Path(name).stem)
+        script = Path(__file__).parent / "distributed" / name
+        torchrun(str(script), str(lm_path), str(out / "results"), device.dtype,
+                 "1" if device.enforce_eager else "0", cwd=out)
+        return {rank: json.loads((out / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+    return run

@@ -36,13 +36,10 @@ Each torchrun starts two vLLM engines on the CPU: about 80 s for the file on 2 c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
-HERE = Path(__file__).parent
-SCRIPT = HERE / "distributed" / "fsdp_weight_sync.py"
 
 REWARD = '''
 import zlib
@@ -54,20 +51,10 @@ def varied(prompts, completions, **kwargs):
 '''
 
 
-def cpu_only(device) -> None:
-    # torchrun's two processes share this machine's CPU and gloo; two GPUs and NCCL are another test
-    if device.name != "cpu":
-        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
-
-
 @pytest.fixture(scope="module")
-def synced(lm_path, device, torchrun, tmp_path_factory):
+def synced(two_cpu_processes, run_distributed_script):
     """What each process of fsdp_weight_sync.py saw: ``{rank: result}``."""
-    cpu_only(device)
-    out = tmp_path_factory.mktemp("vllm_fsdp_sync")
-    torchrun(str(SCRIPT), str(lm_path), str(out / "results"), device.dtype, "1" if device.enforce_eager else "0",
-             cwd=out)
-    return {rank: json.loads((out / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return run_distributed_script("fsdp_weight_sync.py")
 
 
 def test_fsdp_gathered_weights_reach_each_process_vllm(synced, device):
@@ -104,9 +91,8 @@ def test_close_leaves_the_process_group(synced):
         assert r["process_group_after_close"], rank
 
 
-def test_two_process_fsdp_training_with_vllm_keeps_sampler_and_trainer_in_step(lm_path, device, torchrun,
-                                                                              tmp_path, read_jsonl):
-    cpu_only(device)
+def test_two_process_fsdp_training_with_vllm_keeps_sampler_and_trainer_in_step(two_cpu_processes, lm_path, device,
+                                                                              torchrun, tmp_path, read_jsonl):
     words = ["Heart", "size", "normal", "Mild", "cardiomegaly", "Lungs", "clear"]
     records = [{"problem": f"Describe {w} {i}.", "answer": w} for i in range(2) for w in words][:8]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

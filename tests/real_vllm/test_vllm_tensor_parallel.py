@@ -39,8 +39,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-HERE = Path(__file__).parent
-SCRIPT = HERE / "distributed" / "tensor_parallel.py"
 
 
 # vLLM's CPU all-reduce for a tp group lives in shared memory named after the group alone under the
@@ -50,21 +48,16 @@ SCRIPT = HERE / "distributed" / "tensor_parallel.py"
 STALE_SHM = ("/dev/shm/-tp:0-[0-1]-cpushm_0", "/dev/shm/-tp:0-[0-1]-cpushm_1")
 
 
-def cpu_only(device) -> None:
-    if device.name != "cpu":
-        pytest.skip("the two-process vLLM tests run on the CPU (gloo); on CUDA they would need two GPUs")
+def clear_stale_shm() -> None:
     for path in STALE_SHM:
         Path(path).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
-def tp(lm_path, device, torchrun, tmp_path_factory):
+def tp(two_cpu_processes, run_distributed_script):
     """What each process of tensor_parallel.py saw: ``{rank: result}``."""
-    cpu_only(device)
-    out = tmp_path_factory.mktemp("vllm_tp")
-    torchrun(str(SCRIPT), str(lm_path), str(out / "results"), device.dtype, "1" if device.enforce_eager else "0",
-             cwd=out)
-    return {rank: json.loads((out / "results" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    clear_stale_shm()
+    return run_distributed_script("tensor_parallel.py")
 
 
 def test_both_shards_sample_the_groups_prompts_together(tp):
@@ -120,13 +113,13 @@ def varied(prompts, completions, **kwargs):
 
 
 def test_two_process_training_with_tensor_parallel_vllm_keeps_sampler_and_trainer_in_step(
-        lm_path, device, torchrun, tmp_path, read_jsonl):
+        two_cpu_processes, lm_path, device, torchrun, tmp_path, read_jsonl):
     """``grouprl train`` under torchrun with tp 2: two steps and a validation before and after.
 
     The validation set (3 prompts, 1 per call) is shared unevenly (rank 0: 2 calls, rank 1: 1):
     rank 1 joins the group's second call with no prompts of its own, or the group would hang.
     """
-    cpu_only(device)
+    clear_stale_shm()
     words = ["Heart", "size", "normal", "Mild", "cardiomegaly", "Lungs", "clear"]
     records = [{"problem": f"Describe {w} {i}.", "answer": w} for i in range(2) for w in words][:8]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -26,24 +26,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
 
-PROMPTS = [  # two per process: each process samples its own
-    "Heart size is normal.",
-    "Mild cardiomegaly.",
-    "No acute cardiopulmonary process.",
-    "Describe the picture.",
-]
-NOISE_SEED = 1234
-NOISE_SCALE = 0.05  # the tiny model's weights are ~N(0, 0.02): log-probs move by far more than the tolerance
-
-
-def diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Max and mean |a - b| over the response tokens (``mask``)."""
-    d = (a.float() - b.float()).abs()[mask.bool()]
-    return {"max": float(d.max()), "mean": float(d.mean()), "tokens": int(d.numel())}
+from weight_checks import PROMPTS, diff, perturb_alike, rows  # noqa: E402 (a sibling; after the env above)
 
 
 def main() -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from grouprl.config import config_from_dict
     from grouprl.data.sample import Sample
@@ -92,20 +79,11 @@ def main() -> None:
     before = engine.generate(samples, params)
     result["before"] = {"vllm_vs_checkpoint": diff(before.rollout_log_probs, scored(base, before),
                                                    before.response_mask),
-                        "responses": [row[: int(m.sum())].tolist()
-                                      for row, m in zip(before.response_ids, before.response_mask)]}
+                        "responses": rows(before)}
 
     # the same seeded noise on every process: added to the policy's shards and to the plain copy
-    generator = torch.Generator().manual_seed(NOISE_SEED)
+    perturb_alike(policy.policy, perturbed)
     plain = dict(perturbed.named_parameters())
-    with torch.no_grad():
-        for name, param in policy.policy.named_parameters():
-            noise = torch.randn(tuple(param.shape), generator=generator) * NOISE_SCALE
-            if isinstance(param, DTensor):
-                param.add_(distribute_tensor(noise.to(param.dtype), param.device_mesh, param.placements))
-            else:
-                param.add_(noise.to(param.dtype).to(param.device))
-            plain[name].add_(noise.to(plain[name].dtype).to(plain[name].device))
 
     # what the stream carries, checked on the way through (the trainer's call otherwise)
     streamed: dict[str, float] = {}
