@@ -263,7 +263,8 @@ def forward_response_log_probs(
     ``log_prob[i, t] = log softmax(logits[i, P + t - 1] / temperature)[response_ids[i, t]]``,
     the softmax over the vocabulary less the model's multimodal placeholder tokens, which no
     engine ever samples (``suppress_tokens``), and ``entropy[i, t] = -sum_v p_v log p_v`` of the
-    same distribution, both 0 where ``response_mask`` is 0. Shapes ``[B, R]``, on the model's
+    same distribution, both 0 where ``response_mask`` is 0 and at placeholder tokens (images
+    returned between the turns of a dialogue, attended to but never sampled). Shapes ``[B, R]``, on the model's
     device; ``log_prob`` is differentiable when grad is enabled (the policy-loss micro-batch),
     ``entropy`` only with ``entropy_grad`` (an entropy bonus in the loss; otherwise it is logged,
     not optimised, and costs no backward memory). ``model_inputs`` is the collated dict of
@@ -296,9 +297,11 @@ def forward_response_log_probs(
     targets = response_ids.to(device)
     mask = response_mask.to(device).bool()
     suppressed = placeholder_token_ids(model)
-    if suppressed and (torch.isin(targets, torch.tensor(suppressed, device=device)) & mask).any():
-        raise ValueError(f"a response holds a multimodal placeholder token (ids {suppressed}), which no engine "
-                         "samples and the policy gives probability 0; responses must be plain text")
+    if suppressed:
+        # A placeholder in a response is an image an environment or tool returned mid-dialogue (the
+        # text between turns): attended to, never sampled (probability 0 under the suppressed policy),
+        # so not scored: its log-prob is 0 like padding's, not -inf.
+        mask = mask & ~torch.isin(targets, torch.tensor(suppressed, device=device))
 
     if padding_free:
         check_padding_free(model)
