@@ -85,11 +85,11 @@ def validate(config: Config) -> None:
     rollout.verifier.check("worker.rollout.verifier")
     config.trainer.health.check("trainer.health")
     if rollout.verifier.backend != "auto":
-        from grouprl.rollout.verifier import VERIFIER_BACKENDS  # a domain may register more (reasoning: rule)
+        from grouprl.config.verifier_backends import backend_names
 
-        if rollout.verifier.backend not in VERIFIER_BACKENDS.names():
-            raise ConfigError(f"config key 'worker.rollout.verifier.backend': "
-                              f"{VERIFIER_BACKENDS.unknown_message(rollout.verifier.backend)} (or auto)")
+        if rollout.verifier.backend not in backend_names():  # a domain may register more (reasoning: rule)
+            raise ConfigError(f"config key 'worker.rollout.verifier.backend': unknown verifier backend "
+                              f"{rollout.verifier.backend!r} (known: {', '.join(backend_names())}, or auto)")
     _positive("data.rollout_batch_size", config.data.rollout_batch_size)
     _positive("data.max_response_length", config.data.max_response_length)
     _positive("worker.actor.global_batch_size", actor.global_batch_size)

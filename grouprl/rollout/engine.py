@@ -86,11 +86,14 @@ class EncodedPrompt:
     ``ids`` [P] are the tokens so far (no padding): a rendered first prompt, or a
     whole dialogue with earlier responses kept as they were sampled. ``model_inputs``
     holds the image tensors those ids refer to (``pixel_values``, ``image_grid_thw``),
-    as ``encode_prompts`` produces them.
+    as ``encode_prompts`` produces them. ``images`` are the images that entered the
+    dialogue after the sample's own (returned by a tool or an environment), in order:
+    an engine that re-processes images itself (vLLM) gives the sample's then these.
     """
 
     ids: torch.Tensor
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.ids.dim() != 1 or self.ids.dtype != torch.long or not len(self.ids):

@@ -136,7 +136,7 @@ def _observation_messages(processor, messages: list[dict], multimodal: bool) -> 
                 if not multimodal:
                     raise ValueError(f"observation message {i} holds an image, but {type(processor).__name__} is a "
                                      "text-only tokenizer; use a vision-language policy or return text")
-                images.append(_rgb_image(part.get("image"), f"observation message {i}, part {j}"))
+                images.append(rgb_image(part.get("image"), f"observation message {i}, part {j}"))
                 parts.append({"type": "image"})
             else:
                 raise ValueError(f"observation message {i}, part {j}: content part type {kind!r} is not one of "
@@ -149,7 +149,7 @@ def _observation_messages(processor, messages: list[dict], multimodal: bool) -> 
     return out, images
 
 
-def _rgb_image(value: Any, where: str) -> Image.Image:
+def rgb_image(value: Any, where: str) -> Image.Image:
     """A PIL image, or a uint8 array of shape HxW (grey) or HxWx3 (RGB), as an RGB PIL image."""
     if isinstance(value, Image.Image):
         return value if value.mode == "RGB" else value.convert("RGB")

@@ -38,12 +38,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from grouprl.config import DEFAULT_VERIFIER_TEMPLATE, ConfigError, VerifierConfig
+from grouprl.config.verifier_backends import VERIFIER_BACKENDS  # noqa: F401 - registered into here, and re-exported
 from grouprl.errors import FEATURE_EXTRAS
-from grouprl.registry import Registry
 from grouprl.rewards.chat_endpoint import ChatCallError, ChatEndpoint, chat_completions_url
+from grouprl.rollout.environments import Environment, Step
 # The final-answer rules live with the rewards (the format reward uses them too); re-exported here
 # because a dialogue's STOP depends on them.
 from grouprl.rewards.rule_based import (  # noqa: F401
@@ -274,8 +275,6 @@ class Verifier(abc.ABC):
         return f"{type(self).__name__}(backend={self.backend!r})"
 
 
-# backend name -> Verifier subclass, built as cls(config, tokenizer=...)
-VERIFIER_BACKENDS: Registry[type] = Registry("verifier backend", error=ConfigError)
 
 
 def register_verifier_backend(name: str):
@@ -494,3 +493,84 @@ def _load_tokenizer(path: str, *, like, trust_remote_code: bool):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # as load_model_and_processor sets it: prompts are left-padded
     return processor
+
+
+# ---------------------------------------------------------------------------- the environment
+
+
+class VerifierEnvironment(Environment):
+    """Guided-GRPO's verifier as a multi-turn environment (the environment ``verifier``).
+
+    Each policy turn goes to the verifier with the problem, the reference (none in validation)
+    and the policy's turns so far; the dialogue's turns are asked together (:meth:`step_many`:
+    one ``reply_many`` call, the backend's own concurrency). A STOP ends the dialogue when the
+    last turn holds a final answer (exactly one ``<answer>`` with one ``\\boxed{}``); a STOP
+    without one sends ``continue_message``; anything else sends the reply as a user message. A
+    failed call (after its retries) is a STOP with ``failed`` set: counted, and under the
+    rollout's failure count (``max_consecutive_failures``). ``columns()`` gives the dialogue's
+    hallucination score (``verifier_hallucination_score``, what the ``guided`` reward reads).
+    """
+
+    failure_reason = "verifier_failure"
+
+    def __init__(self, verifier: Verifier, validation: Callable[[], bool] = lambda: False) -> None:
+        self.verifier = verifier
+        self.validation = validation
+        self.sample = None
+        self.turns: list[str] = []
+        self.replies: list[VerifierReply] = []
+
+    def reset(self, sample) -> None:
+        self.sample, self.turns, self.replies = sample, [], []
+        return None
+
+    def step(self, message: str) -> Step:
+        return self.step_many([self], [message])[0]
+
+    def tools(self) -> list:
+        return []  # the verifier talks, it offers the policy no tools
+
+    @staticmethod
+    def step_many(environments: list[VerifierEnvironment], messages: list[str]) -> list[Step]:
+        from grouprl.rollout.multiturn import problem_text
+
+        verifier = environments[0].verifier
+        for env, message in zip(environments, messages):
+            env.turns.append(message)
+        requests = [VerifierRequest(problem=problem_text(env.sample),
+                                    reference=None if env.validation() else env.sample.answer,
+                                    turns=list(env.turns)) for env in environments]
+        steps = []
+        for env, reply in zip(environments, verifier.reply_many(requests)):
+            env.replies.append(reply)
+            if reply.stop and has_final_answer(env.turns[-1]):
+                steps.append(Step(done=True, failed=reply.failed, error=reply.error))
+                continue
+            # STOP without a final answer (or a failed verifier, taken as STOP) asks for the answer
+            text = verifier.config.continue_message if reply.stop else reply.text
+            steps.append(Step([{"role": "user", "content": text}], failed=reply.failed, error=reply.error))
+        return steps
+
+    def hallucination_score(self) -> float:
+        """Mean of the [SCORE] values the verifier gave (0.5 when it gave none), as the seed computes it."""
+        scores = [r.score for r in self.replies if r.score is not None and not r.stop]
+        return sum(scores) / len(scores) if scores else 0.5
+
+    def columns(self) -> dict[str, float]:
+        return {"verifier_hallucination_score": self.hallucination_score()}
+
+    @staticmethod
+    def metrics(environments: list[VerifierEnvironment]) -> tuple[dict[str, float], dict[str, str]]:
+        """The verifier's figures over a call's dialogues, and how each adds up across calls."""
+        replies = [r for env in environments for r in env.replies]
+        n = len(environments)
+        metrics = {
+            "multiturn/hallucination_score": sum(env.hallucination_score() for env in environments) / n,
+            "verifier/failures": float(sum(r.failed for r in replies)),
+            "verifier/tokens": float(sum(r.tokens or 0 for r in replies)),
+            "verifier/latency_s": sum(r.latency_s for r in replies) / len(replies) if replies else 0.0,
+        }
+        return metrics, {"verifier/failures": "sum", "verifier/tokens": "sum"}
+
+    def __repr__(self) -> str:
+        return f"VerifierEnvironment({self.verifier!r})"

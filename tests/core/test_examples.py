@@ -153,7 +153,7 @@ def test_recipe_runs_one_tiny_step(recipe, tiny_examples, tmp_path):
     if recipe == "guided_grpo_qwen3vl8b.yaml":
         # the rollouts were dialogues with the rule verifier, scored by Guided-GRPO's reward
         assert saved["worker"]["rollout"]["verifier"]["backend"] == "rule"
-        assert "rewards/guided/mean" in step and "multiturn/turns_mean" in step and "verifier/failures" in step
+        assert "rewards/guided/mean" in step and "multiturn/turns" in step and "verifier/failures" in step
         rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
         assert rollouts and all(r["dialogue"] and r["spans"] and r["stop_reason"] for r in rollouts)
         assert all(1 <= r["num_turns"] <= 2 for r in rollouts)

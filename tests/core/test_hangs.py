@@ -210,7 +210,7 @@ def test_a_dead_verifier_ends_the_dialogues_after_max_consecutive_failures(paths
     assert batch.extras["num_turns"] == [2]
     assert batch.extras["stop_reason"] == ["verifier_failure"]
     assert verifier.failures == 2 and len(llm.seen) == 2
-    assert multi.last_metrics["verifier/failures"] == 2.0 and multi.last_metrics["verifier/down"] == 1.0
+    assert multi.last_metrics["verifier/failures"] == 2.0 and multi.last_metrics["environment/down"] == 1.0
     down = [r.getMessage() for r in caplog.records if "max_consecutive_failures" in r.getMessage()]
     assert len(down) == 1 and url in down[0]
 

@@ -35,7 +35,7 @@ CORE_LAYERS = [
 ]
 # config's cross-field checks read registries that live further down (``checks.validate``)
 REGISTRY_LOOKUPS = {"grouprl.config.algorithm_options": {"grouprl.algorithms"},
-                    "grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine", "grouprl.rollout.verifier",
+                    "grouprl.config.checks": {"grouprl.algorithms", "grouprl.rollout.engine",
                                                "grouprl.trainer.task_metrics", "grouprl.trainer.trackers"}}
 
 

@@ -157,7 +157,7 @@ def test_stop_needs_a_final_answer_and_turns_are_capped(paths):
     assert set(reasons) == {"max_turns"} and bool(batch.truncated.any())
     continued = [d for d in batch.extras["dialogue"] if len(d) > 1]
     assert continued and all(d[1]["text"] == multi.config.continue_message for d in continued)
-    assert multi.last_metrics["multiturn/stop_max_turns"] > 0
+    assert multi.last_metrics["multiturn/stop_reason/max_turns"] > 0
     # in validation the verifier gets no reference
     verifier.seen.clear()
     multi.generate(engine, text_samples(), SamplingParams(n=1, max_new_tokens=4, seed=2), validation=True)
@@ -165,12 +165,13 @@ def test_stop_needs_a_final_answer_and_turns_are_capped(paths):
 
 
 @pytest.mark.parametrize("credit", ["shared", "mask_fixed"])
-def test_turn_credit_decides_whether_turns_before_an_accepted_fix_train(paths, credit):
+def test_turn_credit_decides_whether_turns_before_an_accepted_fix_train(paths, credit, monkeypatch):
     _, processor, engine = engine_for(paths, "lm")
     # a correction after the first turn, STOP after the second: every dialogue is fixed at turn 2
     verifier = ScriptedVerifier({1: "Wrong sign. [SCORE] hallucination_detect=1", 2: "###STOP###"})
     multi = rollout(processor, verifier, max_turns=3, turn_credit=credit)
-    multi._has_final_answer = lambda text: True  # the random policy's turns pass for final answers
+    # the random policy's turns pass for final answers
+    monkeypatch.setattr("grouprl.rollout.verifier.has_final_answer", lambda text: True)
     batch = multi.generate(engine, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=3))
     assert set(batch.extras["stop_reason"]) == {"stop"} and set(batch.extras["num_turns"]) == {2}
     for row, spans in enumerate(batch.extras["spans"]):
@@ -238,8 +239,8 @@ def test_guided_training_logs_dialogues(arithmetic, tmp_path, scope):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "actor/pg_loss" in m]
     for m in train:
-        assert m["multiturn/turns_mean"] >= 1 and m["verifier/failures"] == 0
-        assert sum(m[f"multiturn/stop_{r}"] for r in ("stop", "max_turns", "verifier_failure", "length")) == \
+        assert m["multiturn/turns"] >= 1 and m["verifier/failures"] == 0
+        assert sum(m[f"multiturn/stop_reason/{r}"] for r in ("stop", "max_turns", "verifier_failure", "length")) == \
             pytest.approx(1.0)
     assert any("val/reward/mean" in m for m in lines)
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]

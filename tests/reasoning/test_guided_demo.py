@@ -81,7 +81,7 @@ def test_quick_guided_demo_compares_grpo_and_guided_grpo_from_one_sft(tmp_path, 
     assert all(r["dialogue"] and 1 <= r["num_turns"] <= demo.GUIDED_MAX_TURNS for r in rollouts["guided"])
     metrics = [json.loads(x) for x in (out / "guided" / "metrics.jsonl").read_text().splitlines()]
     assert summary["training"]["SFT+Guided-GRPO"]["turns_mean"] == pytest.approx(
-        sum(m["multiturn/turns_mean"] for m in metrics) / len(metrics))
+        sum(m["multiturn/turns"] for m in metrics) / len(metrics))
     # SFT saw correction dialogues: the slipped answer and the rule verifier's own reply to it
     corrections = [json.loads(x) for x in (out / "data" / "corrections.jsonl").read_text().splitlines()]
     # (step-level: it names the slipped step, tests/reasoning/test_rule_verifier.py)

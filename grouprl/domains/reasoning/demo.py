@@ -244,8 +244,8 @@ def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
            "policy_tokens": round(sum(r["response/policy_tokens/mean"] for r in rows) * rows_per_step),
            "reward_first_5": sum(r["reward/mean"] for r in rows[:5]) / len(rows[:5]),
            "reward_last_5": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:])}
-    for key, name in (("multiturn/turns_mean", "turns_mean"), ("multiturn/stop_stop", "stop_rate"),
-                      ("multiturn/stop_max_turns", "max_turns_rate"), ("multiturn/stop_length", "length_rate"),
+    for key, name in (("multiturn/turns", "turns_mean"), ("multiturn/stop_reason/stop", "stop_rate"),
+                      ("multiturn/stop_reason/max_turns", "max_turns_rate"), ("multiturn/stop_reason/length", "length_rate"),
                       ("verifier/failures", "verifier_failures")):
         values = [r[key] for r in rows if key in r]
         if values:
