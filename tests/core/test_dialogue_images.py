@@ -225,6 +225,9 @@ def test_a_dialogue_with_returned_images_is_trained_on_what_it_was_sampled_from(
     batch = as_batch(dialogues)
     with torch.no_grad():
         trained, _ = compute_log_probs(model, batch, micro_batch_size=len(batch))
+        # and packed into one row without padding (worker.actor.padding_free), positions restarting per dialogue
+        packed, _ = compute_log_probs(model, batch, micro_batch_size=len(batch), padding_free=True)
+        torch.testing.assert_close(packed, trained, atol=1e-5, rtol=0)
         for row, d in enumerate(dialogues):
             at = 0
             for ids, policy in d.segments:
