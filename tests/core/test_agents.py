@@ -18,6 +18,7 @@ from grouprl.rollout.multiturn import MultiTurnRollout, dialogue_parts
 from grouprl.rollout.tools import ToolLimits, load_tools
 from grouprl.rollout.turn_tokens import between_turns
 
+from scripted_turns import ScriptedFirstTurn  # tests/scripted_turns.py
 from test_engine import text_samples  # helpers (`paths`: tests/conftest.py)
 from test_multiturn import engine_for
 
@@ -58,34 +59,6 @@ TRL_ENVIRONMENT = textwrap.dedent('''
 
 CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
          '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>')
-
-
-class ScriptedFirstTurn:
-    """The trainer's engine, except that a rollout's first turn is ``text`` (and its end-of-turn token)
-    instead of sampled: a random tiny policy never writes a tool call, and what is under test is what the
-    rollout does with one. Later turns are sampled by the real engine from the dialogue's context."""
-
-    def __init__(self, engine, processor, text: str):
-        self.engine, self.calls = engine, []
-        tokenizer = tokenizer_of(processor)
-        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [end_of_turn_id(processor)]
-        self.text = text
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate(self, samples, params, prompts=None):
-        batch = self.engine.generate(samples, params, prompts=prompts)
-        self.calls.append(prompts)
-        if prompts is None:
-            rows = len(batch)
-            batch.response_ids = torch.tensor([self.ids] * rows)
-            batch.response_mask = torch.ones(rows, len(self.ids), dtype=torch.long)
-            batch.policy_mask = None
-            batch.responses = [self.text] * rows
-            batch.truncated = torch.zeros(rows, dtype=torch.bool)
-            batch.rollout_log_probs = None
-        return batch
 
 
 def with_template(processor, template=QWEN25):
