@@ -26,6 +26,10 @@ pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 0.88e
 img.sample-image { max-height: 160px; } img.grid { max-width: 100%; }
 .turn { margin: 0.2em 0 0.2em 1em; padding: 0.2em 0.4em; border-left: 3px solid #4a7; }
 .turn.verifier { border-left-color: #d83; background: #fff8f0; } .who { font-size: 0.8em; color: #555; }
+.turn.tool { border-left-color: #57c; background: #f3f6ff; }
+.turn.environment { border-left-color: #a5c; background: #faf5ff; }
+.calls { margin: 0.2em 0; padding-left: 1.4em; font-size: 0.88em; } .call.malformed { color: #b00; }
+.tool-name { font-weight: 600; } .result .tool-name { font-size: 0.8em; color: #335; }
 .edit .before { background: #fee; text-decoration: line-through; } .edit .after { background: #efe; }
 .extras span { margin-right: 1em; font-size: 0.85em; color: #444; }
 .view { margin-top: 0.3em; }

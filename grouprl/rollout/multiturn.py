@@ -658,13 +658,17 @@ def _last_policy_segment(d: Dialogue) -> Segment:
 
 def _dialogue_record(d: Dialogue) -> list[dict]:
     """The dialogue as messages, for rollouts.jsonl and the report: the policy's turns (with the tool
-    calls parsed from them) and the messages between them (a tool's named)."""
+    calls parsed from them) and the messages between them (a tool's named). Messages answering a turn's
+    tool calls also list each result (``results``: name, text, images); messages from the environment
+    name it (``environment``)."""
     out = []
+    answered_calls = False
     for s in d.segments:
         if s.policy:
             entry = {"role": "assistant", "text": s.text, "tokens": len(s.ids)}
             if s.tool_calls:
                 entry["tool_calls"] = s.tool_calls
+            answered_calls = bool(s.tool_calls)  # a turn with calls is answered by their results (_answer)
             out.append(entry)
             continue
         roles = {m.get("role") for m in s.messages} or {"user"}
@@ -672,12 +676,21 @@ def _dialogue_record(d: Dialogue) -> list[dict]:
         names = [m["name"] for m in s.messages if m.get("role") == "tool" and m.get("name")]
         if names:
             entry["tools"] = names
-        images = sum(1 for m in s.messages if isinstance(m.get("content"), list)
-                     for p in m["content"] if p.get("type") == "image")
+        images = sum(_image_count(m) for m in s.messages)
         if images:
             entry["images"] = images
+        if answered_calls:
+            entry["results"] = [{"name": m.get("name", ""), "text": _message_text(m),
+                                 **({"images": _image_count(m)} if _image_count(m) else {})} for m in s.messages]
+        else:
+            entry["environment"] = d.environment_name
         out.append(entry)
     return out
+
+
+def _image_count(message: dict) -> int:
+    content = message.get("content")
+    return sum(1 for p in content if p.get("type") == "image") if isinstance(content, list) else 0
 
 
 def _spans(segments: list[Segment]) -> list[list]:

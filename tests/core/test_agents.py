@@ -122,6 +122,7 @@ def test_tool_results_enter_the_dialogue_in_token_space(tiny, tmp_path):
     assert [m["role"] for m in dialogue[:3]] == ["assistant", "tool", "assistant"]
     assert dialogue[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert dialogue[1]["tools"] == ["add", "multiply"] and "5" in dialogue[1]["text"] and "20" in dialogue[1]["text"]
+    assert dialogue[1]["results"] == [{"name": "add", "text": "5"}, {"name": "multiply", "text": "20"}]
     # the TRL environment's reset text went into the first prompt, its tools into the template
     assert "You may call add." in batch.samples[0].messages[-1]["content"][-1]["text"]
     assert [t["function"]["name"] for t in batch.samples[0].chat_template_kwargs["tools"]] == ["multiply", "add"]
@@ -156,7 +157,7 @@ def test_a_turn_without_tool_calls_goes_to_the_environment_and_rewards_add_up(ti
                                                batch.extras["stop_reason"], batch.extras["dialogue"]):
         # each step gave one "try": the parts of a dialogue's steps are summed
         assert rewards["tries"] == turns and ("solved" in rewards) == (reason == "stop")
-        assert all(m["text"] == "Try again." for m in dialogue if m["role"] == "user")
+        assert all(m["text"] == "Try again." and m["environment"] == "guess" for m in dialogue if m["role"] == "user")
     assert multi.last_metrics["environment/guess/tries"] == pytest.approx(
         sum(batch.extras["num_turns"]) / len(batch))
 

@@ -120,6 +120,58 @@ def test_multiturn_dialogue_is_shown_turn_by_turn(browser, tmp_path):
     assert "num_turns: 3" in extras and "verifier_hallucination_score: 1" in extras and "spans" not in extras
 
 
+def tool_dialogue_record() -> dict:
+    """A tool-using rollout record as grouprl.rollout.multiturn writes it: a turn with a good and a malformed
+    call, the results (one returning an image) under their tools' names, an environment's reply, a last turn."""
+    calls = [{"type": "function", "function": {"name": "zoom", "arguments": {"region": "cardiac silhouette"}}},
+             {"error": "the tool call is not valid JSON", "text": "<tool_call>{oops</tool_call>"}]
+    dialogue = [
+        {"role": "assistant", "text": '<tool_call>{"name": "zoom", ...}</tool_call><tool_call>{oops</tool_call>',
+         "tokens": 30, "tool_calls": calls},
+        {"role": "tool", "text": "[image]The cardiac silhouette, enlarged 2.3 times.\nError: malformed tool call",
+         "tokens": 41, "tools": ["zoom", "error"], "images": 1,
+         "results": [{"name": "zoom", "text": "[image]The cardiac silhouette, enlarged 2.3 times.", "images": 1},
+                     {"name": "error", "text": "Error: malformed tool call: the tool call is not valid JSON"}]},
+        {"role": "assistant", "text": "The heart is <b>enlarged</b>.", "tokens": 6},
+        {"role": "user", "text": "Which side?", "tokens": 5, "environment": "radiology_quiz"},
+        {"role": "assistant", "text": "Both.", "tokens": 2},
+    ]
+    return {"step": 1, "id": "s1", "group": 0, "prompt": "Findings?", "response": "Both.", "rewards": {"length": 0.5},
+            "score": 0.5, "advantage": 0.0, "dialogue": dialogue, "num_turns": 3, "stop_reason": "stop",
+            "tool_calls": 2, "spans": [[0, 30, "policy"], [30, 71, "between"], [71, 77, "policy"]]}
+
+
+def test_a_tool_dialogue_shows_its_calls_results_and_counts(browser, tmp_path):
+    """Each call (name and arguments; a malformed one's error), each result under its tool's name with the
+    images it returned counted, an environment's message under its name, the tool-call count and stop reason."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {}\n")
+    record = tool_dialogue_record()
+    (run / "rollouts.jsonl").write_text(json.dumps(record) + "\n")
+    assert browser.open(write_report(run)) == []
+    turns = browser.run("return [...document.querySelectorAll('.dialogue .turn')]"
+                        ".map(t => [t.className, t.querySelector('.who').textContent])")
+    assert turns == [["turn policy", "turn 1: policy (30 tokens)"],
+                     ["turn tool", "turn 2: tool results: zoom, error (1 image) (41 tokens)"],
+                     ["turn policy", "turn 3: policy (6 tokens)"],
+                     ["turn environment", "turn 4: environment radiology_quiz (5 tokens)"],
+                     ["turn policy", "turn 5: policy (2 tokens)"]]
+    calls = browser.run("return [...document.querySelectorAll('.dialogue .turn.policy .call')].map(c => c.textContent)")
+    assert calls == ['zoom({"region": "cardiac silhouette"})',
+                     "malformed call: the tool call is not valid JSON<tool_call>{oops</tool_call>"]
+    results = browser.run("return [...document.querySelectorAll('.dialogue .turn.tool .result')]"
+                          ".map(r => [r.querySelector('.tool-name').textContent, r.querySelector('pre').textContent])")
+    assert results == [["zoom (1 image)", "[image]The cardiac silhouette, enlarged 2.3 times."],
+                       ["error", "Error: malformed tool call: the tool call is not valid JSON"]]
+    # the policy's text is shown as text, never as markup
+    assert browser.run("return document.querySelectorAll('.dialogue b').length") == 0
+    assert browser.run("return document.querySelector('.dialogue summary').textContent") == \
+        "dialogue: 5 turns, 2 tool calls, stopped: stop"
+    extras = browser.run("return document.querySelector('.extras').textContent")
+    assert "num_turns: 3" in extras and "tool_calls" not in extras
+
+
 def test_screenshot_renders_the_report_to_png(browser, vlm_run, tmp_path, capsys):
     """``grouprl report --screenshot``: the page as headless Chromium draws it (``browser``: skipped with
     the browser tests when there is no Chromium)."""

@@ -86,6 +86,9 @@ def test_a_zoom_call_returns_the_crop_to_the_policy_and_the_step_trains_on_it(cx
                                                                          "arguments": {"region": REGION}}}]
         assert answer["role"] == "tool" and answer["tools"] == ["zoom"] and answer["images"] == 1
         assert f"The {REGION}, enlarged" in answer["text"]
+        (result,) = answer["results"]
+        assert result["name"] == "zoom" and result["images"] == 1 and result["text"].startswith(f"[image]The {REGION}")
+        assert record["dialogue"][2]["role"] == "assistant"
         assert record["tool_calls"] == 1 and record["stop_reason"] == "stop"
     metrics = next(m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "tools/calls" in m)
     assert metrics["tools/zoom/calls"] == 4 and metrics["tools/errors"] == 0
