@@ -7,10 +7,14 @@ and the step trains on exactly that context."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 
 from grouprl.config import config_from_dict
+from grouprl.report import write_report
 from grouprl.rollout.logprobs import forward_response_log_probs
 from grouprl.trainer.grpo import GRPOTrainer
 
@@ -26,8 +30,18 @@ def image_runs(ids: torch.Tensor, image_id: int) -> int:
     return int((is_image[1:] > is_image[:-1]).sum() + is_image[0])
 
 
-def test_a_zoom_call_returns_the_crop_to_the_policy_and_the_step_trains_on_it(cxr_vlm, cxr_data, tmp_path):
-    run = tmp_path / "run"
+@dataclass
+class ZoomRun:
+    run: Path
+    trainer: GRPOTrainer
+    scripted: ScriptedFirstTurn
+    before: dict[str, torch.Tensor]  # the policy's weights before the step (those the rollout sampled with)
+
+
+@pytest.fixture(scope="module")
+def zoom_run(cxr_vlm, cxr_data, tmp_path_factory) -> ZoomRun:
+    """One GRPO step of the tiny VLM on four synthetic studies, n=2, each dialogue opening with the zoom call."""
+    run = tmp_path_factory.mktemp("zoom") / "run"
     config = config_from_dict({
         "data": {"train_files": [str(cxr_data(4, seed=0, format="easyr1"))], "max_response_length": 6,
                  "rollout_batch_size": 2},
@@ -42,6 +56,11 @@ def test_a_zoom_call_returns_the_crop_to_the_policy_and_the_step_trains_on_it(cx
     trainer.engine = scripted = ScriptedFirstTurn(trainer.engine, trainer.processor, CALL)
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     trainer.train()
+    return ZoomRun(run, trainer, scripted, before)
+
+
+def test_a_zoom_call_returns_the_crop_to_the_policy_and_the_step_trains_on_it(zoom_run):
+    run, trainer, scripted, before = zoom_run.run, zoom_run.trainer, zoom_run.scripted, zoom_run.before
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.named_parameters())
 
     batch = trainer.last_step.batch
@@ -92,3 +111,16 @@ def test_a_zoom_call_returns_the_crop_to_the_policy_and_the_step_trains_on_it(cx
         assert record["tool_calls"] == 1 and record["stop_reason"] == "stop"
     metrics = next(m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "tools/calls" in m)
     assert metrics["tools/zoom/calls"] == 4 and metrics["tools/errors"] == 0
+
+
+def test_the_run_report_shows_the_zoom_call_and_its_image(browser, zoom_run):
+    """The report of that run (rollouts.jsonl as the trainer wrote it): the call with its region, the result
+    under the tool's name with its image counted, and the dialogue's tool-call count."""
+    assert browser.open(write_report(zoom_run.run)) == []
+    calls = browser.run("return [...document.querySelectorAll('.dialogue .call')].map(c => c.textContent)")
+    assert calls == [f'zoom({{"region": "{REGION}"}})'] * 4
+    results = browser.run("return [...document.querySelectorAll('.dialogue .turn.tool .result .tool-name')]"
+                          ".map(r => r.textContent)")
+    assert results == ["zoom (1 image)"] * 4
+    summaries = browser.run("return [...document.querySelectorAll('.dialogue summary')].map(s => s.textContent)")
+    assert summaries == ["dialogue: 3 turns, 1 tool call, stopped: stop"] * 4
