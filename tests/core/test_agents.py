@@ -335,6 +335,7 @@ def test_a_trl_environment_and_tool_list_train_a_step(sums, tmp_path):
     assert step["tools/calls"] == 8 and step["tools/add/calls"] == 4 and step["tools/errors"] == 0
     # the environment's reward is a component: logged under its part's name, weighted 0.5
     assert step["rewards/Adder/mean"] == 1.0
+    assert {c.key: c.weight for c in trainer.rewards.components} == {"length": 1.0, "Adder": 0.5}
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     assert all(r["dialogue"][1]["role"] == "tool" and r["tool_calls"] == 2 for r in rollouts)
     batch = trainer.last_step.batch
