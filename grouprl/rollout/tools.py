@@ -260,15 +260,23 @@ class ToolLimits:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """One call's outcome: the ``tool`` message for the policy, and whether it is an error."""
+    """One call's outcome: the ``tool`` message for the policy, and whether it is an error. ``content``
+    is text, or a list of content parts (``{"type": "text" | "image", ...}``) when the tool returned
+    parts (an image for a vision-language policy)."""
 
     name: str
-    content: str
+    content: str | list
     error: bool = False
 
     @property
     def message(self) -> dict:
         return {"role": "tool", "name": self.name, "content": self.content}
+
+
+def is_content_parts(value: Any) -> bool:
+    """Whether a tool's return value is chat content parts (a non-empty list of ``{"type": ...}`` dicts),
+    passed to the policy as they are rather than as JSON text (TRL's multimodal tool results)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
 
 
 def _argument_problem(tool: Tool, arguments: Any) -> str | None:
@@ -339,6 +347,8 @@ class ToolRunner:
             value = self._call(tool, call.arguments)
         except Exception as exc:  # the policy reads what went wrong; the rollout goes on
             return ToolResult(call.name, f"Error: {type(exc).__name__}: {exc}", error=True)
+        if is_content_parts(value):
+            return ToolResult(call.name, list(value))
         return ToolResult(call.name, value if isinstance(value, str) else json.dumps(value, default=str))
 
     def _call(self, tool: Tool, arguments: dict) -> Any:

@@ -174,6 +174,29 @@ def test_results_are_tool_messages_and_calls_are_counted():
     assert (runner.calls, runner.errors, runner.per_tool) == (2, 0, {"add": 1, "shout": 1})
 
 
+def test_a_tool_returning_content_parts_passes_them_on_and_other_values_as_json():
+    def look(region: str) -> list:
+        """Look at a region.
+
+        Args:
+            region: where
+        """
+        return [{"type": "image", "image": "<pixels>"}, {"type": "text", "text": region}]
+
+    def facts(region: str) -> dict:
+        """Facts about a region.
+
+        Args:
+            region: where
+        """
+        return {"region": region, "size": [1, 2]}
+
+    runner = ToolRunner([Tool.from_function(look), Tool.from_function(facts)])
+    parts, data = runner.run_turn([ToolCall("look", {"region": "apex"}), ToolCall("facts", {"region": "apex"})])
+    assert parts.content == [{"type": "image", "image": "<pixels>"}, {"type": "text", "text": "apex"}]
+    assert data.content == '{"region": "apex", "size": [1, 2]}'
+
+
 def test_raising_bad_arguments_unknown_and_malformed_calls_give_error_text_and_counts():
     runner = ToolRunner([Tool.from_function(divide), Tool.from_function(add)])
     raised, missing, extra, not_dict, unknown, malformed = runner.run_turn([
