@@ -491,6 +491,25 @@ def reward_rows(config: Any) -> list[Row]:
     return rows
 
 
+def dialogue_rows(config: Any) -> list[Row]:
+    """The tools and environments of ``worker.rollout.multi_turn``, loaded and read as the trainer reads
+    them (each environment made once, its tool methods' schemas built; nothing called); a failure is a
+    blocker with the config's one-line error."""
+    multi = _get(config, "worker.rollout.multi_turn")
+    if multi is None or not multi.enabled:
+        return []
+    from grouprl.rollout.multiturn import dialogue_parts
+
+    try:
+        parts = dialogue_parts(multi)
+    except Exception as exc:  # noqa: BLE001 -- whatever stops it loading is what the user must see
+        return [Row("tools and environments", BLOCKER, str(exc))]
+    environments = list(parts.pool.factories) if parts.pool else []
+    return [Row("tools and environments", OK,
+                f"tools: {', '.join(t.name for t in parts.tools) or 'none'}; environments: "
+                f"{', '.join(environments) or 'none'}; reward parts: {', '.join(parts.reward_parts) or 'none'}")]
+
+
 def http_health(url: str, timeout: float = HEALTH_TIMEOUT,
                 headers: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(status, detail) of ``GET url``: 2xx ok, another 4xx a warning (it answers, but not that), else a blocker."""
@@ -607,6 +626,7 @@ def diagnose(path: str | None = None, overrides: list[str] | None = None) -> lis
     rows += extras_rows(config, values)
     rows += path_rows(config)
     rows += reward_rows(config)
+    rows += dialogue_rows(config)
     rows += server_rows(config)
     return rows
 

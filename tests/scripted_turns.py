@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from grouprl.models.inputs import end_of_turn_id, tokenizer_of
+from grouprl.rollout.logprobs import compute_log_probs
 
 
 class ScriptedFirstTurn:
@@ -13,8 +14,8 @@ class ScriptedFirstTurn:
     instead of sampled: a random tiny policy never writes a tool call, and what is under test is what the
     rollout does with one. Later turns are sampled by the real engine from the dialogue's context."""
 
-    def __init__(self, engine, processor, text: str):
-        self.engine, self.calls = engine, []
+    def __init__(self, engine, processor, text: str, model=None):
+        self.engine, self.calls, self.model = engine, [], model
         tokenizer = tokenizer_of(processor)
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [end_of_turn_id(processor)]
         self.text = text
@@ -33,4 +34,7 @@ class ScriptedFirstTurn:
             batch.responses = [self.text] * rows
             batch.truncated = torch.zeros(rows, dtype=torch.bool)
             batch.rollout_log_probs = None
+            if params.return_log_probs:  # what a sampler reports for these tokens: the model's log-probs of them
+                with torch.no_grad():
+                    batch.rollout_log_probs = compute_log_probs(self.model, batch, micro_batch_size=rows)[0]
         return batch

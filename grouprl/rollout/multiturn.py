@@ -302,8 +302,7 @@ class MultiTurnRollout:
         observations, schemas = [], []
         for row, env in enumerate(environments):
             sample = samples[row // n]
-            observations.append(self._call(env, "reset", (sample,), f"{env!r}.reset() on sample {sample.id}",
-                                           raise_always=True))
+            observations.append(self._call(env, "reset", (sample,), f"{env!r}.reset() on sample {sample.id}"))
             schemas.append([self._schema(fn) for fn in self._tool_functions(env)])
         firsts = [with_observation(samples[row // n], obs, schema)
                   for row, (obs, schema) in enumerate(zip(observations, schemas))]
@@ -459,7 +458,7 @@ class MultiTurnRollout:
         except Exception as exc:  # the environment's own error: named, counted, never a silent stop
             return self._failure(env, EnvironmentFailure(f"{label} raised {type(exc).__name__}: {exc}"))
 
-    def _call(self, env: Environment, method: str, args: tuple, label: str, *, raise_always: bool = False):
+    def _call(self, env: Environment, method: str, args: tuple, label: str):
         """``env.method(*args)`` within ``step_timeout``; a failure is an :class:`EnvironmentFailure` naming it."""
         future = self._start(env, method, args)
         timeout = getattr(self.config, "step_timeout", None)

@@ -30,10 +30,7 @@ is abandoned and may run on); a tool that raises, times out or is called wrongly
 text (type and message) as its result, counted in :attr:`ToolRunner.errors`, never an
 exception. Calls beyond ``ToolLimits.per_turn`` / ``per_dialogue`` are not run and answered
 with the limit's text (counted in :attr:`ToolRunner.refused`). Results are chat messages
-``{"role": "tool", "name": ..., "content": ...}``, the shape the Qwen and Llama templates render:
-a string is the content as it is, a list of content parts (``{"type": "text" | "image", ...}``,
-e.g. the radiology ``zoom`` tool's enlarged crop and its caption) is the content as parts, so that
-returned images reach a vision-language policy; any other value is its JSON.
+``{"role": "tool", "name": ..., "content": ...}``, the shape the Qwen and Llama templates render.
 """
 
 from __future__ import annotations
@@ -263,11 +260,12 @@ class ToolLimits:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """One call's outcome: the ``tool`` message for the policy, and whether it is an error. ``content``: text,
-    or content parts (text and images) as the tool returned them."""
+    """One call's outcome: the ``tool`` message for the policy, and whether it is an error. ``content``
+    is text, or a list of content parts (``{"type": "text" | "image", ...}``) when the tool returned
+    parts (an image for a vision-language policy)."""
 
     name: str
-    content: str | list[dict]
+    content: str | list
     error: bool = False
 
     @property
@@ -275,14 +273,10 @@ class ToolResult:
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
-RESULT_PART_TYPES = ("text", "image")
-
-
 def is_content_parts(value: Any) -> bool:
-    """Whether a tool's return value is a message's content parts: a non-empty list of dicts, each with a
-    ``type`` of :data:`RESULT_PART_TYPES` (a list of anything else, e.g. numbers, is a value, sent as JSON)."""
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(p, dict) and p.get("type") in RESULT_PART_TYPES for p in value)
+    """Whether a tool's return value is chat content parts (a non-empty list of ``{"type": ...}`` dicts),
+    passed to the policy as they are rather than as JSON text (TRL's multimodal tool results)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
 
 
 def _argument_problem(tool: Tool, arguments: Any) -> str | None:
@@ -353,9 +347,9 @@ class ToolRunner:
             value = self._call(tool, call.arguments)
         except Exception as exc:  # the policy reads what went wrong; the rollout goes on
             return ToolResult(call.name, f"Error: {type(exc).__name__}: {exc}", error=True)
-        if isinstance(value, str) or is_content_parts(value):
-            return ToolResult(call.name, value)
-        return ToolResult(call.name, json.dumps(value, default=str))
+        if is_content_parts(value):
+            return ToolResult(call.name, list(value))
+        return ToolResult(call.name, value if isinstance(value, str) else json.dumps(value, default=str))
 
     def _call(self, tool: Tool, arguments: dict) -> Any:
         fn: Callable[..., Any] = tool.fn

@@ -13,6 +13,7 @@ import torch
 from grouprl.config import ConfigError, MultiTurnConfig, config_from_dict
 from grouprl.models.inputs import end_of_turn_id, tokenizer_of
 from grouprl.rollout.engine import SamplingParams
+from grouprl.rollout.logprobs import compute_log_probs
 from grouprl.rollout.environments import Environment, EnvironmentFailure, EnvironmentPool, Step
 from grouprl.rollout.multiturn import MultiTurnRollout, dialogue_parts
 from grouprl.rollout.tools import ToolLimits, load_tools
@@ -88,7 +89,8 @@ class Guess(Environment):
 
 @pytest.fixture(scope="module")
 def tiny(paths):
-    _, processor, engine = engine_for(paths, "lm")
+    model, processor, engine = engine_for(paths, "lm")
+    engine.model_for_tests = model
     return with_template(processor), engine
 
 
@@ -100,10 +102,11 @@ def test_tool_results_enter_the_dialogue_in_token_space(tiny, tmp_path):
 
     pool = EnvironmentPool({"adder": load_environment(f"{module}:Adder")})
     tools = load_tools([f"{module}:multiply"])
-    scripted = ScriptedFirstTurn(engine, processor, CALLS)
+    scripted = ScriptedFirstTurn(engine, processor, CALLS, model=engine.model_for_tests)
     multi = MultiTurnRollout(pool, processor, MultiTurnConfig(max_turns=2), tools=tools,
                              end_of_turn_ids=[end_of_turn_id(processor)])
-    batch = multi.generate(scripted, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=1))
+    batch = multi.generate(scripted, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=1,
+                                                                    return_log_probs=True))
     # both calls ran, their results came back as tool messages rendered by the template, in order
     expected = between_turns(processor, [{"role": "tool", "name": "add", "content": "5"},
                                          {"role": "tool", "name": "multiply", "content": "20"}],
@@ -118,6 +121,13 @@ def test_tool_results_enter_the_dialogue_in_token_space(tiny, tmp_path):
         context = scripted.calls[1][row].ids
         assert context.tolist() == torch.cat([batch.prompt_ids[row][batch.prompt_mask[row].bool()],
                                               batch.response_ids[row, :first + len(expected)]]).tolist()
+    # the trainer's log-probs of the second turn, sampled after the tool results, are the sampler's
+    with torch.no_grad():
+        trained, _ = compute_log_probs(engine.model_for_tests, batch, micro_batch_size=len(batch))
+    second = batch.policy_mask.bool().clone()
+    second[:, :first] = False
+    assert second.any()
+    torch.testing.assert_close(trained[second], batch.rollout_log_probs[second], atol=1e-4, rtol=0)
     dialogue = batch.extras["dialogue"][0]
     assert [m["role"] for m in dialogue[:3]] == ["assistant", "tool", "assistant"]
     assert dialogue[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
@@ -309,6 +319,7 @@ def test_a_trl_environment_and_tool_list_train_a_step(sums, tmp_path):
     assert step["tools/calls"] == 8 and step["tools/add/calls"] == 4 and step["tools/errors"] == 0
     # the environment's reward is a component: logged under its part's name, weighted 0.5
     assert step["rewards/Adder/mean"] == 1.0
+    assert {c.key: c.weight for c in trainer.rewards.components} == {"length": 1.0, "Adder": 0.5}
     rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     assert all(r["dialogue"][1]["role"] == "tool" and r["tool_calls"] == 2 for r in rollouts)
     batch = trainer.last_step.batch

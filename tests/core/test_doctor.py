@@ -114,6 +114,16 @@ def test_unknown_reward_is_a_blocker_naming_it(project, capsys):
     assert row["status"] == BLOCKER and "worker.reward.functions[0]" in row["detail"] and "acuracy" in row["detail"]
 
 
+def test_tools_and_environments_are_loaded_and_a_bad_one_blocks(project, capsys):
+    code, report = run_json(capsys, project, "worker.rollout.multi_turn.environment=radiology_zoom")
+    (row,) = rows_for(report, "tools and environments")
+    assert row["status"] == "ok" and "environments: radiology_zoom" in row["detail"] and "tools: none" in row["detail"]
+    code, report = run_json(capsys, project, "worker.rollout.multi_turn.tools=[calculater]")
+    (row,) = rows_for(report, "tools and environments")
+    assert code == 1 and row["status"] == BLOCKER
+    assert "worker.rollout.multi_turn.tools" in row["detail"] and "calculater" in row["detail"]
+
+
 def test_reward_file_that_fails_to_import_is_a_blocker(project, tmp_path, capsys):
     broken = tmp_path / "broken_reward.py"
     broken.write_text("import no_such_module_here\n\ndef score(prompts, completions, **kw):\n    return [1.0]\n")

@@ -174,27 +174,27 @@ def test_results_are_tool_messages_and_calls_are_counted():
     assert (runner.calls, runner.errors, runner.per_tool) == (2, 0, {"add": 1, "shout": 1})
 
 
-def look(kind: str) -> list:
-    """Return what a tool may return besides text.
+def test_a_tool_returning_content_parts_passes_them_on_and_other_values_as_json():
+    def look(region: str) -> list:
+        """Look at a region.
 
-    Args:
-        kind: parts (an image and a caption), numbers or dicts
-    """
-    from PIL import Image
+        Args:
+            region: where
+        """
+        return [{"type": "image", "image": "<pixels>"}, {"type": "text", "text": region}]
 
-    if kind == "parts":
-        return [{"type": "image", "image": Image.new("RGB", (4, 4))}, {"type": "text", "text": "a square"}]
-    return [1, 2] if kind == "numbers" else [{"a": 1}]
+    def facts(region: str) -> dict:
+        """Facts about a region.
 
+        Args:
+            region: where
+        """
+        return {"region": region, "size": [1, 2]}
 
-def test_content_parts_stay_parts_and_other_values_are_json():
-    """A tool returning content parts (an image and its caption, as radiology's zoom) gives them as the tool
-    message's content, so the image reaches the policy; a list of anything else is a value, sent as JSON."""
-    parts, numbers, dicts = ToolRunner([Tool.from_function(look)]).run_turn(
-        [ToolCall("look", {"kind": k}) for k in ("parts", "numbers", "dicts")])
-    assert [p["type"] for p in parts.message["content"]] == ["image", "text"]
-    assert parts.message["content"][0]["image"].size == (4, 4) and not parts.error
-    assert (numbers.content, dicts.content) == ("[1, 2]", '[{"a": 1}]')
+    runner = ToolRunner([Tool.from_function(look), Tool.from_function(facts)])
+    parts, data = runner.run_turn([ToolCall("look", {"region": "apex"}), ToolCall("facts", {"region": "apex"})])
+    assert parts.content == [{"type": "image", "image": "<pixels>"}, {"type": "text", "text": "apex"}]
+    assert data.content == '{"region": "apex", "size": [1, 2]}'
 
 
 def test_raising_bad_arguments_unknown_and_malformed_calls_give_error_text_and_counts():
