@@ -24,10 +24,10 @@ second time, huggingface/trl#6294); the engine then checks that vLLM's expanded
 prompt is token for token the one the trainer scores. A multi-turn dialogue's next turn is
 generated from its context (``EncodedPrompt``), whose ids may hold images returned by a tool
 or an environment after the sample's own: vLLM gets the sample's images, then those
-(``prompt_images``), and expands and positions them (M-RoPE) over the whole context itself. The returned RolloutBatch has the shape of
-``HFGenerationEngine``'s: rows grouped by prompt, responses right-padded, the
-mask up to and including the first EOS, and, when asked, the sampled tokens'
-log-probs. Those come from vLLM's sampler with ``logprobs_mode="processed_logprobs"``:
+(``prompt_images``), and expands and positions them (M-RoPE) over the whole context itself.
+The returned RolloutBatch has the shape of ``HFGenerationEngine``'s: rows grouped by
+prompt, responses right-padded, the mask up to and including the first EOS, and, when
+asked, the sampled tokens' log-probs. Those come from vLLM's sampler with ``logprobs_mode="processed_logprobs"``:
 after temperature, so they are the distribution sampled from; with top-k / top-p
 on they are also after that filter (renormalised over the kept tokens), unlike
 the hf engine's, which are before it.

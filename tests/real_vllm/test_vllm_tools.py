@@ -196,8 +196,9 @@ def test_tool_dialogue_on_vllm_runs_the_tool_and_continues_from_the_exact_contex
         assert float((first - second).abs().max()) > 10 * device.log_prob_atol
 
     if device.name == "cpu":  # fp32: the hf engine runs the very same dialogues
-        hf = MultiTurnRollout(None, tokenizer, config, end_of_turn_ids=[end_of_turn_id(tokenizer)],
-                              tools=load_tools([square])).generate(HFGenerationEngine(model, tokenizer), samples, params)
+        hf_dialogues = MultiTurnRollout(None, tokenizer, config, end_of_turn_ids=[end_of_turn_id(tokenizer)],
+                                        tools=load_tools([square]))
+        hf = hf_dialogues.generate(HFGenerationEngine(model, tokenizer), samples, params)
         assert torch.equal(hf.response_ids, batch.response_ids) and torch.equal(hf.policy_mask, batch.policy_mask)
 
 
