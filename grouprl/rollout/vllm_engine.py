@@ -21,10 +21,13 @@ images as PIL images. vLLM runs the image processor itself and expands each imag
 placeholder to its patch tokens, so it is given one placeholder per image (each run
 of image tokens in grouprl's ids collapsed to one; expanded ids would be expanded a
 second time, huggingface/trl#6294); the engine then checks that vLLM's expanded
-prompt is token for token the one the trainer scores. The returned RolloutBatch has the shape of
-``HFGenerationEngine``'s: rows grouped by prompt, responses right-padded, the
-mask up to and including the first EOS, and, when asked, the sampled tokens'
-log-probs. Those come from vLLM's sampler with ``logprobs_mode="processed_logprobs"``:
+prompt is token for token the one the trainer scores. A multi-turn dialogue's next turn is
+generated from its context (``EncodedPrompt``), whose ids may hold images returned by a tool
+or an environment after the sample's own: vLLM gets the sample's images, then those
+(``prompt_images``), and expands and positions them (M-RoPE) over the whole context itself.
+The returned RolloutBatch has the shape of ``HFGenerationEngine``'s: rows grouped by
+prompt, responses right-padded, the mask up to and including the first EOS, and, when
+asked, the sampled tokens' log-probs. Those come from vLLM's sampler with ``logprobs_mode="processed_logprobs"``:
 after temperature, so they are the distribution sampled from; with top-k / top-p
 on they are also after that filter (renormalised over the kept tokens), unlike
 the hf engine's, which are before it.
@@ -264,8 +267,26 @@ def count_image_runs(ids: Sequence[int], image_token_id: int | None) -> int:
     return sum(1 for t in collapsed if t == image_token_id)
 
 
+def prompt_images(sample: Sample, prompt: EncodedPrompt | None = None) -> list[Any]:
+    """The images a prompt's ids hold placeholders for, in the order of those placeholders.
+
+        images = sample.images + prompt.images      (prompt.images = [] without a prompt)
+
+    A dialogue's context (``EncodedPrompt``) starts with the sample's first prompt, whose
+    placeholders stand for ``sample.images``; images returned later (by a tool or an
+    environment) enter after it, in ``prompt.images``. vLLM re-processes the images itself
+    and fills the placeholder runs left to right, so it needs them all, in this order.
+    """
+    return list(sample.images) + (list(prompt.images) if prompt is not None else [])
+
+
 def vllm_prompt(ids: Sequence[int], images: Sequence[Any] = (), *, image_token_id: int | None = None) -> dict[str, Any]:
-    """One vLLM prompt: grouprl's token ids (one placeholder per image) and the images they stand for."""
+    """One vLLM prompt: grouprl's token ids (one placeholder per image) and the images they stand for.
+
+    ``{"prompt_token_ids": ids with each image-token run collapsed to one token}``, plus
+    ``"multi_modal_data": {"image": images}`` when there are images (:func:`prompt_images`
+    gives a dialogue's).
+    """
     prompt: dict[str, Any] = {"prompt_token_ids": collapse_image_placeholders(ids, image_token_id if images else None)}
     if images:
         prompt["multi_modal_data"] = {"image": list(images)}
@@ -279,27 +300,35 @@ def unpadded_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
 
 def check_prompt_images(samples: Sequence[Sample], rows: Sequence[Sequence[int]],
                         model_inputs: Sequence[dict[str, torch.Tensor]], *, image_token_id: int | None,
-                        limit_images: int = 0) -> None:
+                        limit_images: int = 0, prompts: Sequence[EncodedPrompt] | None = None) -> None:
     """Check that vLLM will get, with each prompt, the images its ids hold placeholders for.
 
-    vLLM re-processes the PIL images itself, so a prompt must carry all of its images,
-    no more than ``limit_images`` (vLLM's ``limit_mm_per_prompt``) and, when the
+    vLLM re-processes the PIL images itself, so a prompt must carry all of its images
+    (:func:`prompt_images`: the sample's, then with ``prompts`` those returned in its
+    dialogue), no more than ``limit_images`` (vLLM's ``limit_mm_per_prompt``) and, when the
     encoded prompt says how many images it encodes (``image_grid_thw`` rows), that many.
     """
-    for sample, ids, inputs in zip(samples, rows, model_inputs):
-        count = len(sample.images)
+    if prompts is not None and len(prompts) != len(samples):
+        raise ValueError(f"got {len(prompts)} encoded prompts for {len(samples)} samples")
+    for i, (sample, ids, inputs) in enumerate(zip(samples, rows, model_inputs)):
+        prompt = prompts[i] if prompts is not None else None
+        count = len(prompt_images(sample, prompt))
+        returned = len(prompt.images) if prompt is not None else 0
+        # where the images come from, for the messages: a dialogue's returned images are counted too
+        have = f"has {count}" if not returned else \
+            f"has {count} ({len(sample.images)} its own, {returned} returned in its dialogue)"
         if limit_images and count > limit_images:
-            raise ValueError(f"sample {sample.id} has {count} images, more than worker.rollout.limit_images="
+            raise ValueError(f"sample {sample.id} {have} images, more than worker.rollout.limit_images="
                              f"{limit_images} (vLLM's limit_mm_per_prompt); raise it")
         grid = inputs.get("image_grid_thw")
         if grid is not None and len(grid) != count:
             raise ValueError(f"sample {sample.id}: the encoded prompt holds {len(grid)} image(s) but the sample "
-                             f"has {count}; vLLM needs the images the prompt ids refer to")
+                             f"{have}; vLLM needs the images the prompt ids refer to")
         if image_token_id is not None:
             runs = count_image_runs(ids, image_token_id)
             if runs != count:
                 raise ValueError(f"sample {sample.id}: the prompt ids hold placeholders (id {image_token_id}) for "
-                                 f"{runs} image(s) but the sample has {count}")
+                                 f"{runs} image(s) but the sample {have}")
 
 
 def check_images_once(processor, model, samples: Sequence[Sample]) -> bool:
@@ -504,6 +533,7 @@ class VLLMEngine(RolloutEngine):
         self.processor = processor
         self.model_path = model_path
         self.max_prompt_length = max_prompt_length
+        self.max_model_len = max_model_len
         self.truncation = truncation
         self.limit_images = limit_images
         if enable_sleep_mode and not sleep_mode_available():
@@ -569,11 +599,13 @@ class VLLMEngine(RolloutEngine):
                                "call update_weights after wake_up and before generate")
         prompt_ids, prompt_mask, inputs = self._encode(samples, prompts)
         rows = unpadded_rows(prompt_ids, prompt_mask)
-        check_prompt_images(samples, rows, inputs, image_token_id=self.image_token_id, limit_images=self.limit_images)
+        check_prompt_images(samples, rows, inputs, image_token_id=self.image_token_id, limit_images=self.limit_images,
+                            prompts=prompts)
         if not self._images_checked:
             self._images_checked = check_images_once(self.processor, self.model, samples)
-        requests = [vllm_prompt(ids, sample.images, image_token_id=self.image_token_id)
-                    for ids, sample in zip(rows, samples)]
+        requests = [vllm_prompt(ids, prompt_images(sample, prompts[i] if prompts is not None else None),
+                                image_token_id=self.image_token_id)
+                    for i, (ids, sample) in enumerate(zip(rows, samples))]
         sampling = [vllm_sampling_kwargs(
             params, eos_token_ids=self.eos_token_ids, suppressed_token_ids=self.suppressed_token_ids, prompt_index=i)
             for i in range(len(samples))]
@@ -626,10 +658,14 @@ class VLLMEngine(RolloutEngine):
                                   truncation=self.truncation)
         if len(prompts) != len(samples):
             raise ValueError(f"got {len(prompts)} encoded prompts for {len(samples)} samples")
+        # A continuation is a dialogue's context: the first prompt (held to max_prompt_length when it was
+        # encoded) and the turns and observations since, which the response budget sized vLLM's context
+        # for (max_model_len = max_prompt_length + budget). It must leave room for one token.
         for sample, prompt in zip(samples, prompts):
-            if self.max_prompt_length is not None and len(prompt.ids) > self.max_prompt_length:
-                raise ValueError(f"sample {sample.id}: the prompt to continue has {len(prompt.ids)} tokens, more "
-                                 f"than max_prompt_length={self.max_prompt_length}")
+            if len(prompt.ids) >= self.max_model_len:
+                raise ValueError(f"sample {sample.id}: the context to continue has {len(prompt.ids)} tokens, and the "
+                                 f"vllm engine's context holds {self.max_model_len} (max_prompt_length + the "
+                                 "response budget: data.max_response_length, or a dialogue's turns and observations)")
         ids, mask = left_pad([p.ids for p in prompts], self.pad_token_id)
         return ids, mask, [dict(p.model_inputs) for p in prompts]
 
@@ -717,6 +753,7 @@ def _export_launcher_env(rank: int) -> None:
 
 __all__ = [
     "INSTALL_HINT", "VLLMEngine", "check_images_once", "check_prompt_images", "collapse_image_placeholders",
-    "count_image_runs", "require_vllm", "response_tensors", "rollout_batch_from_vllm", "sampled_log_probs",
+    "count_image_runs", "prompt_images", "require_vllm", "response_tensors", "rollout_batch_from_vllm",
+    "sampled_log_probs",
     "unpadded_rows", "vllm_dtype", "vllm_llm_kwargs", "vllm_model", "vllm_prompt", "vllm_sampling_kwargs",
 ]
