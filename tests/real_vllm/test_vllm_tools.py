@@ -28,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from grouprl.config import VerifierConfig
+from grouprl.config import MultiTurnConfig
 from grouprl.data.sample import Sample
 from grouprl.models.inputs import encode_prompts, end_of_turn_id, tokenizer_of
 from grouprl.models.loading import load_model_and_processor
@@ -139,7 +139,7 @@ def test_tool_dialogue_on_vllm_runs_the_tool_and_continues_from_the_exact_contex
         ran.append(x)
         return x * x
 
-    config = VerifierConfig(max_turns=2, max_tokens_per_turn=MAX_TOKENS_PER_TURN)  # the dialogue's limits
+    config = MultiTurnConfig(max_turns=2, max_tokens_per_turn=MAX_TOKENS_PER_TURN)  # the dialogue's limits
     dialogues = MultiTurnRollout(None, tokenizer, config, end_of_turn_ids=[end_of_turn_id(tokenizer)],
                                  tools=load_tools([square]))
     samples = [Sample(messages=[{"role": "user", "content": text}], index=i) for i, text in enumerate(PROMPTS)]
