@@ -156,7 +156,9 @@ class TRLEnvironment(Environment):
         return public_methods(self.inner)
 
     def get_reward(self):
-        return self.inner.get_reward()
+        """The wrapped environment's ``get_reward()``; None (no reward part) when it has none."""
+        get = getattr(self.inner, "get_reward", None)
+        return get() if callable(get) else None
 
     def __repr__(self) -> str:
         return f"TRLEnvironment({type(self.inner).__name__})"

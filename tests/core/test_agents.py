@@ -144,6 +144,33 @@ def test_tool_results_enter_the_dialogue_in_token_space(tiny, tmp_path):
     assert m["multiturn/turns"] == 2 and m["environment/adder/Adder"] == 1.0
 
 
+class Notes:
+    """A TRL environment with tools and no reward of its own."""
+
+    def reset(self, **row):
+        self.notes = []
+
+    def note(self, text: str) -> str:
+        """Keep a note.
+
+        Args:
+            text: the note
+        """
+        self.notes.append(text)
+        return f"{len(self.notes)} note(s)"
+
+
+def test_a_trl_environment_without_get_reward_gives_no_reward_part(tiny):
+    processor, engine = tiny
+    text = '<tool_call>\n{"name": "note", "arguments": {"text": "carry the one"}}\n</tool_call>'
+    multi = MultiTurnRollout(EnvironmentPool({"notes": Notes}), processor, MultiTurnConfig(max_turns=2),
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(ScriptedFirstTurn(engine, processor, text), text_samples()[:1],
+                           SamplingParams(n=2, max_new_tokens=4, seed=1))
+    assert "environment_rewards" not in batch.extras and multi.last_metrics["environment/errors"] == 0
+    assert batch.extras["dialogue"][0][1]["text"] == "1 note(s)" and set(batch.extras["stop_reason"]) == {"stop"}
+
+
 def test_a_tool_error_is_returned_to_the_policy_and_counted(tiny):
     processor, engine = tiny
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'
