@@ -63,6 +63,7 @@ from grouprl.config.schema import (
     TeacherConfig,
     TrainerConfig,
     VerifierConfig,
+    MultiTurnConfig,
     WorkerConfig,
     choices,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "TeacherConfig",
     "TrainerConfig",
     "VerifierConfig",
+    "MultiTurnConfig",
     "WorkerConfig",
     "all_keys",
     "build_config",

@@ -78,11 +78,14 @@ def validate(config: Config) -> None:
     # before it loads anything, for its one process.
     if launch_world_size() is not None:
         check_tensor_parallel_layout(rollout.tensor_parallel_size, engine=rollout.engine,
-                                     world_size=launch_world_size(), verifier=rollout.verifier.enable)
+                                     world_size=launch_world_size(),
+                                     dialogues=rollout.verifier.enable or rollout.multi_turn.enabled)
     from grouprl.trainer.task_metrics import check_task_metric_names  # domains register task metrics
 
     check_task_metric_names(config.trainer.val_metrics)
     rollout.verifier.check("worker.rollout.verifier")
+    rollout.multi_turn.check("worker.rollout.multi_turn")
+    _check_dialogue_kind(rollout)
     config.trainer.health.check("trainer.health")
     if rollout.verifier.backend != "auto":
         from grouprl.config.verifier_backends import backend_names
@@ -316,11 +319,11 @@ def launch_world_size(environ: dict[str, str] | None = None) -> int | None:
 
 
 def check_tensor_parallel_layout(tensor_parallel_size: int, *, engine: str, world_size: int | None,
-                                 verifier: bool = False) -> None:
+                                 dialogues: bool = False) -> None:
     """Refuse a tensor-parallel layout that cannot run, with one line naming the key (ConfigError).
 
     ``tp`` must be >= 1; ``tp > 1`` needs the vllm engine and single-call rollouts (a
-    verifier's dialogues make a different number of ``generate`` calls on each process,
+    multi-turn dialogues make a different number of ``generate`` calls on each process,
     and a group's processes must call together); with ``world_size`` known, ``tp`` must
     be at most ``world_size`` and divide it (``world_size = tp * groups``).
     """
@@ -332,10 +335,10 @@ def check_tensor_parallel_layout(tensor_parallel_size: int, *, engine: str, worl
     if engine not in TP_ENGINES:
         raise ConfigError(f"config key '{TP_KEY}' is {tp}, but worker.rollout.engine {engine!r} samples on one device "
                           f"per process; tensor-parallel rollouts need worker.rollout.engine: vllm")
-    if verifier:
-        raise ConfigError(f"config key '{TP_KEY}' is {tp}, but worker.rollout.verifier.enable runs dialogues whose "
-                          "turns differ by process, and the processes of a tensor-parallel group must generate "
-                          "together; use tensor_parallel_size: 1 with the verifier")
+    if dialogues:
+        raise ConfigError(f"config key '{TP_KEY}' is {tp}, but multi-turn dialogues (worker.rollout.verifier or "
+                          "worker.rollout.multi_turn) take turns that differ by process, and the processes of a "
+                          "tensor-parallel group must generate together; use tensor_parallel_size: 1 with them")
     if world_size is None:
         return
     if tp > world_size:
@@ -344,3 +347,17 @@ def check_tensor_parallel_layout(tensor_parallel_size: int, *, engine: str, worl
     if world_size % tp:
         raise ConfigError(f"config key '{TP_KEY}' ({tp}) must divide the number of training processes ({world_size}): "
                           "each group of tp consecutive processes runs one vLLM engine")
+
+
+def _check_dialogue_kind(rollout) -> None:
+    """One environment per run's dialogues: the verifier (``worker.rollout.verifier``, its own keys) or
+    ``worker.rollout.multi_turn``'s; tools may go with either."""
+    multi = rollout.multi_turn
+    named = [multi.environment] + list(multi.environments.values())
+    if "verifier" in named and not rollout.verifier.enable:
+        raise ConfigError("config key 'worker.rollout.multi_turn.environment' names the verifier, which is set and "
+                          "turned on by 'worker.rollout.verifier' (enable: true, its backend and limits); set those "
+                          "and leave the environment out")
+    if rollout.verifier.enable and (multi.environment or multi.environments):
+        raise ConfigError("config key 'worker.rollout.multi_turn.environment' is set and so is "
+                          "'worker.rollout.verifier.enable': the verifier is the run's environment; set one of them")

@@ -9,6 +9,7 @@ registries are in :mod:`grouprl.config.checks`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -538,6 +539,78 @@ class VerifierConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools and environments (``grouprl.rollout.multiturn``).
+
+    After each policy turn its tool calls run (``tools``, and the environment's tool methods) and
+    their results come back as ``tool`` messages; a turn without tool calls goes to the
+    environment's ``step`` (an environment with tools alone ends the dialogue there). On when
+    ``environment``, ``environments`` or ``tools`` is set. Guided-GRPO's verifier is the
+    environment ``verifier``, turned on and set by ``worker.rollout.verifier`` (its own limits).
+    """
+
+    # one environment for every record: a registered name (grouprl.rollout.environments.ENVIRONMENTS),
+    # path/to/file.py:Class or module:Class (a TRL environment class works as it is)
+    environment: str | None = None
+    # several, by name: each record's `environment_field` names its environment (TRL's multi-environment runs)
+    environments: dict[str, str] = field(default_factory=dict)
+    environment_field: str = "environment"
+    # tools every dialogue has: registered names, path/to/file.py:function or module:function
+    tools: list[str] = field(default_factory=list)
+    tool_parser: str | None = None  # hermes | llama3_json | a registered parser; None: from the chat template
+    max_turns: int = 4  # policy turns per dialogue, the first included
+    max_tokens_per_turn: int | None = None  # None: data.max_response_length
+    # most response tokens per dialogue (policy turns and what comes between them); None: no limit but max_turns
+    max_dialogue_tokens: int | None = None
+    # most tokens between two policy turns (tool results, an environment's reply, the template around
+    # them); a dialogue whose next messages are longer ends with stop reason `length`
+    max_observation_tokens: int = 512
+    max_tool_calls_per_turn: int | None = None  # calls run per policy turn (None: no limit)
+    max_tool_calls: int | None = None  # calls run per dialogue (None: no limit)
+    tool_timeout: float | None = 30.0  # seconds per tool call; a call past it returns its error to the policy
+    step_timeout: float | None = 60.0  # seconds per environment call (reset, step, get_reward)
+    # an environment call that fails (raises, times out, returns the wrong type): stop ends its dialogue
+    # (stop reason environment_failure, counted in environment/errors), fail fails the step
+    on_failure: str = field(default="stop", metadata=choices("stop", "fail"))
+    # after this many failed environment calls in a row the environment is taken as down for the call
+    max_consecutive_failures: int = 8
+    train_scope: str = field(default="full_turn", metadata=choices("final_turn", "full_turn"))
+    turn_credit: str = field(default="shared", metadata=choices("shared", "mask_fixed"))
+    # weight of each environment reward part (default 1), the parts being reward components
+    reward_weights: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment or self.environments or self.tools)
+
+    def check(self, key: str = "worker.rollout.multi_turn") -> None:
+        """Raise ConfigError naming the offending key under ``key`` (ranges and shapes; the names are
+        resolved when the rollout is built, ``grouprl.rollout.multiturn.dialogue_parts``)."""
+        for name in ("max_turns", "max_observation_tokens", "max_consecutive_failures"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config key '{key}.{name}' must be >= 1; got {getattr(self, name)}")
+        for name in ("max_tokens_per_turn", "max_dialogue_tokens", "max_tool_calls_per_turn", "max_tool_calls"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"config key '{key}.{name}' must be >= 1 or null; got {value}")
+        for name in ("tool_timeout", "step_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config key '{key}.{name}' must be > 0 seconds or null; got {value}")
+        if self.turn_credit == "mask_fixed" and self.train_scope != "full_turn":
+            raise ConfigError(f"config key '{key}.turn_credit' is mask_fixed, which needs '{key}.train_scope: "
+                              f"full_turn' ({self.train_scope} trains the last turn only)")
+        if self.environment and self.environments:
+            raise ConfigError(f"config key '{key}.environments' is set and so is '{key}.environment'; set one: "
+                              "environment for every record, environments to pick one per record")
+        for name, value in self.reward_weights.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"config key '{key}.reward_weights.{name}' must be a finite number; got {value!r}")
+        if len(set(self.tools)) != len(self.tools):
+            raise ConfigError(f"config key '{key}.tools' names a tool more than once")
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "hf"  # a registered rollout engine: hf | hf_static | vllm (grouprl.rollout.engine)
     static_cache: StaticCacheConfig = field(default_factory=StaticCacheConfig)
@@ -569,6 +642,8 @@ class RolloutConfig:
     extractor_edited_tokens: str = field(default="train", metadata=choices("train", "mask"))
     # Guided-GRPO: a verifier answers each policy turn (multi-turn rollouts)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    # tools and environments between policy turns (agents); the verifier is one environment
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -363,7 +363,8 @@ class GRPOTrainer(TrainingLoop):
         from grouprl.config.checks import check_tensor_parallel_layout, launch_world_size
 
         check_tensor_parallel_layout(roll.tensor_parallel_size, engine=roll.engine,
-                                     world_size=launch_world_size() or 1, verifier=roll.verifier.enable)
+                                     world_size=launch_world_size() or 1,
+                                     dialogues=roll.verifier.enable or roll.multi_turn.enabled)
         set_seed(t.seed)  # before the policy is built: LoRA adapters are initialised at random
         if train_dataset is None:
             train_dataset, loaded_val = load_datasets(config.data)

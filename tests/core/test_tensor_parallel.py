@@ -76,11 +76,11 @@ def test_request_key_shares_only_seeded_or_greedy_requests():
     (2, "hf_static", None, False, "need worker.rollout.engine: vllm"),
     (4, "vllm", 2, False, "more than the 2 training process(es)"),
     (2, "vllm", 3, False, "must divide the number of training processes (3)"),
-    (2, "vllm", 2, True, "verifier"),
+    (2, "vllm", 2, True, "worker.rollout.multi_turn"),
 ])
 def test_impossible_layouts_are_refused_naming_the_key(tp, engine, world, verifier, says):
     with pytest.raises(ConfigError, match=KEY) as caught:
-        check_tensor_parallel_layout(tp, engine=engine, world_size=world, verifier=verifier)
+        check_tensor_parallel_layout(tp, engine=engine, world_size=world, dialogues=verifier)
     assert says in str(caught.value) and "\n" not in str(caught.value)
 
 

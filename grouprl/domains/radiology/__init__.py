@@ -11,6 +11,7 @@
 - ``sample_selection``: CheXPO-v2's hard-sample mining and stratified sampling;
 - ``evaluation``: report evaluation with bootstrap intervals (``grouprl eval``);
 - ``synthetic``: procedural chest X-ray studies and RadVLM-style tasks;
+- ``tools``: the ``zoom`` tool, an enlarged region of the chest film for the policy (``ZoomEnvironment``);
 - ``demo``: ``grouprl demo`` and ``grouprl demo --compare``.
 
 Names are imported on first use, so ``import grouprl.domains.radiology`` is cheap.
@@ -42,6 +43,7 @@ _EXPORTS = {
     "create_app": "grouprl.domains.radiology.server.app",
     "generate_studies": "grouprl.domains.radiology.synthetic.cxr",
     "write_dataset": "grouprl.domains.radiology.synthetic.cxr",
+    "ZoomEnvironment": "grouprl.domains.radiology.tools",
     "run_demo": "grouprl.domains.radiology.demo",
     "run_compare_seeds": "grouprl.domains.radiology.demo",
 }
