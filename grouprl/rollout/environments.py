@@ -274,3 +274,17 @@ def check_step(value: Any, env: Environment) -> Step:
             raise EnvironmentFailure(f"{env!r}.step() message {i} must be a dict with role 'user' or 'tool', "
                                      f"got {message!r:.120}")
     return value
+
+
+def environment_reward(part: str):
+    """The reward function of the environment reward part ``part``: each row's value from the rollout's
+    ``environment_rewards`` column, None where the row's environment gave none (unscored, never 0)."""
+
+    def reward(completions, environment_rewards=None, **columns) -> list[float | None]:
+        if environment_rewards is None:
+            raise ValueError(f"environment reward part {part!r}: the batch has no environment_rewards column "
+                             "(it comes from worker.rollout.multi_turn's dialogues)")
+        return [None if row is None else row.get(part) for row in environment_rewards]
+
+    reward.__name__ = part
+    return reward

@@ -697,3 +697,70 @@ def _right_pad(rows: list[torch.Tensor], value) -> tuple[torch.Tensor, torch.Ten
         out[i, : len(r)] = r
         mask[i, : len(r)] = 1
     return out, mask
+
+
+# ---------------------------------------------------------------------------- from the config
+
+
+@dataclass
+class DialogueParts:
+    """What ``worker.rollout.multi_turn`` names, loaded: the environments (None: tools alone), the
+    tools every dialogue has, and the reward parts the environments declare."""
+
+    pool: EnvironmentPool | None
+    tools: list[Tool]
+    reward_parts: list[str]
+
+
+def dialogue_parts(multi_turn) -> DialogueParts:
+    """Load the environments and tools ``multi_turn`` (``worker.rollout.multi_turn``) names, and read one
+    instance of each environment: its tool methods must have schemas, its tool names must not clash with
+    the run's tools. Every problem is a ConfigError naming the key."""
+    from grouprl.config import ConfigError
+    from grouprl.rollout.environments import EnvironmentLoadError, load_environment
+    from grouprl.rollout.tools import ToolLoadError, load_tools
+
+    key = "worker.rollout.multi_turn"
+    try:
+        tools = load_tools(multi_turn.tools)
+    except ToolLoadError as exc:
+        raise ConfigError(f"config key '{key}.tools': {exc}") from None
+    references = dict(multi_turn.environments)
+    if multi_turn.environment:
+        references = {_environment_label(multi_turn.environment): multi_turn.environment}
+    factories = {}
+    for name, reference in references.items():
+        where = f"{key}.environments.{name}" if multi_turn.environments else f"{key}.environment"
+        try:
+            factories[name] = load_environment(reference)
+        except EnvironmentLoadError as exc:
+            raise ConfigError(f"config key '{where}': {exc}") from None
+    if not factories:
+        return DialogueParts(None, tools, [])
+    pool = EnvironmentPool(factories, field_name=multi_turn.environment_field if multi_turn.environments else None)
+    own = {t.name for t in tools}
+    for name in factories:
+        where = f"{key}.environments.{name}" if multi_turn.environments else f"{key}.environment"
+        try:
+            env = pool.take([name])[0]
+            methods = [tool_schema(fn)["function"]["name"] for fn in env.tools()]
+        except (EnvironmentLoadError, ToolLoadError) as exc:
+            raise ConfigError(f"config key '{where}': {exc}") from None
+        except Exception as exc:  # the environment's constructor failed
+            raise ConfigError(f"config key '{where}': making the environment {name!r} raised "
+                              f"{type(exc).__name__}: {exc}") from None
+        clash = sorted(own & set(methods))
+        if clash:
+            raise ConfigError(f"config key '{where}': the environment's tool(s) {', '.join(clash)} have the name of "
+                              f"a tool in '{key}.tools'; the policy calls tools by name")
+    parts = pool.reward_parts()
+    unknown = sorted(set(multi_turn.reward_weights) - set(parts))
+    if unknown:
+        raise ConfigError(f"config key '{key}.reward_weights' names {', '.join(unknown)}, not a reward part of the "
+                          f"environments (their parts: {', '.join(parts) or 'none'})")
+    return DialogueParts(pool, tools, parts)
+
+
+def _environment_label(reference: str) -> str:
+    """The name an environment's metrics go under: its registered name, or the class of a reference."""
+    return reference.rpartition(":")[2] or reference

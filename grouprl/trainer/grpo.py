@@ -67,8 +67,12 @@ def rollout_weights(engine_owns_weights: bool, precision_rollout_copy: bool, *, 
     return holds, holds and not engine_owns_weights
 
 
-def build_rewards(config: Config, *, optional: bool = False):
-    """The run's RewardSet; with none configured, None when ``optional`` (pure distillation), else a ConfigError."""
+def build_rewards(config: Config, *, optional: bool = False, environment_parts: list[str] = ()):
+    """The run's RewardSet; with none configured, None when ``optional`` (pure distillation), else a ConfigError.
+
+    ``environment_parts``: the reward parts the run's environments declare
+    (:func:`grouprl.rollout.multiturn.dialogue_parts`), each one more component under its own name,
+    weighted by ``worker.rollout.multi_turn.reward_weights`` (default 1)."""
     from grouprl.rewards import RewardComponent, RewardLoadError, RewardSet, RewardSpec
 
     r = config.worker.reward
@@ -91,6 +95,18 @@ def build_rewards(config: Config, *, optional: bool = False):
         # the server's composite is one more weighted component beside any in-process rewards
         components = list(rewards.components) if rewards is not None else []
         components.append(RewardComponent("reward_server", client, r.reward_server_weight, None))
+        rewards = RewardSet(components, timeout=r.timeout)
+    if environment_parts:
+        from grouprl.rollout.environments import environment_reward
+
+        components = list(rewards.components) if rewards is not None else []
+        taken = {c.key for c in components} & set(environment_parts)
+        if taken:
+            raise ConfigError(f"config key 'worker.rollout.multi_turn': the environment reward part(s) "
+                              f"{', '.join(sorted(taken))} have the name of a reward in 'worker.reward'; rename one")
+        weights = config.worker.rollout.multi_turn.reward_weights
+        components += [RewardComponent(part, environment_reward(part), float(weights.get(part, 1.0)), None)
+                       for part in environment_parts]
         rewards = RewardSet(components, timeout=r.timeout)
     if rewards is None and not optional:
         raise ConfigError("no reward: set 'worker.reward.functions', 'worker.reward.reward_function' "
@@ -370,9 +386,14 @@ class GRPOTrainer(TrainingLoop):
             train_dataset, loaded_val = load_datasets(config.data)
             val_dataset = val_dataset if val_dataset is not None else loaded_val
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        # tools and environments named by worker.rollout.multi_turn, loaded before any model: a bad name fails now
+        from grouprl.rollout.multiturn import dialogue_parts
+
+        self.dialogue_parts = dialogue_parts(roll.multi_turn) if roll.multi_turn.enabled else None
         # None: no reward, the teacher alone trains (pure distillation)
         self.rewards = reward_set if reward_set is not None else build_rewards(
-            config, optional=config.algorithm.distilling)
+            config, optional=config.algorithm.distilling,
+            environment_parts=self.dialogue_parts.reward_parts if self.dialogue_parts else [])
         self.reward_thresholds = reward_thresholds(config, self.rewards.keys if self.rewards is not None else [])
         self.rollout_transforms = list(rollout_transforms or [])
 
@@ -447,19 +468,38 @@ class GRPOTrainer(TrainingLoop):
             check_image_tokens(self.processor, self.policy, train_dataset[0])
 
     def _multiturn(self):
-        """Guided-GRPO's verifier-guided dialogues (``worker.rollout.verifier``), or None."""
-        cfg = self.config.worker.rollout.verifier
-        if not cfg.enable:
+        """Multi-turn dialogues: Guided-GRPO's verifier (``worker.rollout.verifier``) or the tools and
+        environments of ``worker.rollout.multi_turn``; None for single-turn rollouts."""
+        roll = self.config.worker.rollout
+        verifier_cfg, multi = roll.verifier, roll.multi_turn
+        if not (verifier_cfg.enable or multi.enabled):
             return None
+        key = "worker.rollout.verifier.enable" if verifier_cfg.enable else "worker.rollout.multi_turn"
         if self.rollout_transforms:
             names = ", ".join(type(t).__name__ for t in self.rollout_transforms)
-            raise ConfigError(f"config key 'worker.rollout.verifier.enable': verifier dialogues cannot be combined "
-                              f"with rollout transforms ({names}: EditGRPO's edits rewrite single responses)")
+            raise ConfigError(f"config key '{key}': multi-turn dialogues cannot be combined with rollout "
+                              f"transforms ({names}: EditGRPO's edits rewrite single responses)")
         from grouprl.rollout.multiturn import MultiTurnRollout
+        from grouprl.rollout.tools import ToolLimits, ToolLoadError
         from grouprl.rollout.verifier import build_verifier
 
-        verifier = build_verifier(cfg, tokenizer=self.processor)
-        return MultiTurnRollout(verifier, self.processor, cfg, end_of_turn_ids=list(self.engine.eos_token_ids))
+        parts = self.dialogue_parts
+        if verifier_cfg.enable:
+            environments, limits_config = build_verifier(verifier_cfg, tokenizer=self.processor), verifier_cfg
+        else:
+            environments, limits_config = parts.pool, multi
+        multiturn = MultiTurnRollout(
+            environments, self.processor, limits_config, end_of_turn_ids=list(self.engine.eos_token_ids),
+            tools=parts.tools if parts else [], tool_parser=multi.tool_parser, environment_field=multi.environment_field,
+            tool_limits=ToolLimits(per_turn=multi.max_tool_calls_per_turn, per_dialogue=multi.max_tool_calls,
+                                   timeout=multi.tool_timeout))
+        probe = parts.pool.take(list(parts.pool.factories)) if parts and parts.pool else []
+        if (parts and parts.tools) or any(env.tools() for env in probe):
+            try:  # the policy's tool-call format, now rather than at the first dialogue
+                multiturn.tool_parser
+            except ToolLoadError as exc:
+                raise ConfigError(f"config key 'worker.rollout.multi_turn.tool_parser': {exc}") from None
+        return multiturn
 
     def _check_async_mode(self) -> None:
         mode, roll = self.config.trainer.async_mode, self.config.worker.rollout

@@ -6,7 +6,7 @@ EditGRPO's edits as the rollout transform ``editgrpo_edits`` (built from
 ``worker.rollout.extractor*``) and as a view of the run report (``grouprl report``), the
 validation metric ``report`` (the demo's held-out table), the client of
 ``worker.reward.reward_server``, the commands `grouprl generate`, `eval`, `sample` and
-`serve rewards`, and the report demos (`grouprl demo`, the default, and `grouprl demo --compare`).
+`serve rewards`, the environment ``radiology_zoom`` (a ``zoom`` tool over the study's film), and the report demos (`grouprl demo`, the default, and `grouprl demo --compare`).
 Commands and demos are
 registered by reference: their module is imported when the command line is built.
 """
@@ -18,6 +18,7 @@ import grouprl.domains.radiology.rewards.radvlm_tasks  # noqa: F401
 from grouprl.cli import COMMANDS, DEMOS
 from grouprl.report.views import RECORD_VIEWS
 from grouprl.rewards.registry import REWARD_SERVER_CLIENTS
+from grouprl.rollout.environments import ENVIRONMENTS
 from grouprl.rollout.transforms import ROLLOUT_TRANSFORMS
 from grouprl.trainer.task_metrics import TASK_METRICS
 
@@ -25,6 +26,7 @@ ROLLOUT_TRANSFORMS.register("editgrpo_edits", "grouprl.domains.radiology.edits:e
 RECORD_VIEWS.register("editgrpo_edits", "grouprl.domains.radiology.report_view:EDIT_VIEW")
 REWARD_SERVER_CLIENTS.register("reward_server", "grouprl.domains.radiology.server.client:client_from_config")
 TASK_METRICS.register("report", "grouprl.domains.radiology.report_metrics:report_metric")
+ENVIRONMENTS.register("radiology_zoom", "grouprl.domains.radiology.tools:ZoomEnvironment")
 
 COMMANDS.register("generate", "grouprl.domains.radiology.commands:GENERATE")
 COMMANDS.register("eval", "grouprl.domains.radiology.commands:EVAL")

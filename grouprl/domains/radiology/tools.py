@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from grouprl.domains.radiology.synthetic.cxr import REGIONS, BoxCoords, region_boxes, sample_layout
+from grouprl.rollout.environments import Environment
 
 # How far (in fractions of the film) a region's edge moves between films: the film's random shift
 # (0.02), its lung / heart centres (0.015) and half-sizes (0.015), with room to spare.
@@ -73,7 +74,7 @@ def _nominal_boxes() -> dict[str, BoxCoords]:
     return region_boxes({"cardiomegaly": 1}, layout)
 
 
-class ZoomEnvironment:
+class ZoomEnvironment(Environment):
     """One dialogue's chest film, and the ``zoom`` tool over it."""
 
     def __init__(self) -> None:

@@ -1,0 +1,342 @@
+"""Tools and environments between policy turns: the loop in token space, in the trainer, and its errors."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, MultiTurnConfig, config_from_dict
+from grouprl.models.inputs import end_of_turn_id, tokenizer_of
+from grouprl.rollout.engine import SamplingParams
+from grouprl.rollout.environments import Environment, EnvironmentFailure, EnvironmentPool, Step
+from grouprl.rollout.multiturn import MultiTurnRollout, dialogue_parts
+from grouprl.rollout.tools import ToolLimits, load_tools
+from grouprl.rollout.turn_tokens import between_turns
+
+from test_engine import text_samples  # helpers (`paths`: tests/conftest.py)
+from test_multiturn import engine_for
+
+QWEN25 = (Path(__file__).parent / "chat_templates" / "Qwen2.5-Instruct.jinja").read_text()
+
+# A TRL environment, written for GRPOTrainer(environment_factory=...): reset(**row), tools as public
+# methods, get_reward() owning a reward. grouprl takes it unchanged.
+TRL_ENVIRONMENT = textwrap.dedent('''
+    class Adder:
+        def reset(self, **row):
+            self.answer = row.get("answer")
+            self.sums = 0
+            return "You may call add."
+
+        def add(self, a: int, b: int) -> int:
+            """Add two whole numbers.
+
+            Args:
+                a: the first number
+                b: the second number
+            """
+            self.sums += 1
+            return a + b
+
+        def get_reward(self) -> float:
+            return float(self.sums)
+
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a * b
+''')
+
+CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>')
+
+
+class ScriptedFirstTurn:
+    """The trainer's engine, except that a rollout's first turn is ``text`` (and its end-of-turn token)
+    instead of sampled: a random tiny policy never writes a tool call, and what is under test is what the
+    rollout does with one. Later turns are sampled by the real engine from the dialogue's context."""
+
+    def __init__(self, engine, processor, text: str):
+        self.engine, self.calls = engine, []
+        tokenizer = tokenizer_of(processor)
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [end_of_turn_id(processor)]
+        self.text = text
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, samples, params, prompts=None):
+        batch = self.engine.generate(samples, params, prompts=prompts)
+        self.calls.append(prompts)
+        if prompts is None:
+            rows = len(batch)
+            batch.response_ids = torch.tensor([self.ids] * rows)
+            batch.response_mask = torch.ones(rows, len(self.ids), dtype=torch.long)
+            batch.policy_mask = None
+            batch.responses = [self.text] * rows
+            batch.truncated = torch.zeros(rows, dtype=torch.bool)
+            batch.rollout_log_probs = None
+        return batch
+
+
+def with_template(processor, template=QWEN25):
+    tokenizer_of(processor).chat_template = template
+    if hasattr(processor, "chat_template"):
+        processor.chat_template = template
+    return processor
+
+
+class Guess(Environment):
+    """Answers a turn without tool calls: right when it holds the sample's answer, else "try again"."""
+
+    reward_parts = ("solved", "tries")
+
+    def reset(self, sample):
+        self.answer, self.tries = sample.answer, 0
+
+    def step(self, message):
+        self.tries += 1
+        if self.answer and self.answer in message:
+            return Step(done=True, reward={"solved": 1.0, "tries": 1.0})
+        return Step([{"role": "user", "content": "Try again."}], reward={"tries": 1.0})
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+@pytest.fixture(scope="module")
+def tiny(paths):
+    _, processor, engine = engine_for(paths, "lm")
+    return with_template(processor), engine
+
+
+def test_tool_results_enter_the_dialogue_in_token_space(tiny, tmp_path):
+    processor, engine = tiny
+    module = tmp_path / "agent_parts.py"
+    module.write_text(TRL_ENVIRONMENT)
+    from grouprl.rollout.environments import load_environment
+
+    pool = EnvironmentPool({"adder": load_environment(f"{module}:Adder")})
+    tools = load_tools([f"{module}:multiply"])
+    scripted = ScriptedFirstTurn(engine, processor, CALLS)
+    multi = MultiTurnRollout(pool, processor, MultiTurnConfig(max_turns=2), tools=tools,
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(scripted, text_samples(), SamplingParams(n=2, max_new_tokens=4, seed=1))
+    # both calls ran, their results came back as tool messages rendered by the template, in order
+    expected = between_turns(processor, [{"role": "tool", "name": "add", "content": "5"},
+                                         {"role": "tool", "name": "multiply", "content": "20"}],
+                             after_end_of_turn=True, chat_template_kwargs=batch.samples[0].chat_template_kwargs).ids
+    first = len(scripted.ids)
+    for row in range(len(batch)):
+        between = batch.response_ids[row, first:first + len(expected)].tolist()
+        assert between == expected
+        # only the policy's turns are trained: the tool results and the template around them are not
+        assert batch.policy_mask[row, :first].all() and not batch.policy_mask[row, first:first + len(expected)].any()
+        # the second turn was generated from exactly the ids it is trained after
+        context = scripted.calls[1][row].ids
+        assert context.tolist() == torch.cat([batch.prompt_ids[row][batch.prompt_mask[row].bool()],
+                                              batch.response_ids[row, :first + len(expected)]]).tolist()
+    dialogue = batch.extras["dialogue"][0]
+    assert [m["role"] for m in dialogue[:3]] == ["assistant", "tool", "assistant"]
+    assert dialogue[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert dialogue[1]["tools"] == ["add", "multiply"] and "5" in dialogue[1]["text"] and "20" in dialogue[1]["text"]
+    # the TRL environment's reset text went into the first prompt, its tools into the template
+    assert "You may call add." in batch.samples[0].messages[-1]["content"][-1]["text"]
+    assert [t["function"]["name"] for t in batch.samples[0].chat_template_kwargs["tools"]] == ["multiply", "add"]
+    # its get_reward() is the reward part named after its class: one add per dialogue
+    assert batch.extras["environment_rewards"] == [{"Adder": 1.0}] * len(batch)
+    m = multi.last_metrics
+    assert m["tools/calls"] == 2 * len(batch) and m["tools/errors"] == 0
+    assert m["tools/add/calls"] == len(batch) and m["tools/multiply/calls"] == len(batch)
+    assert m["multiturn/turns"] == 2 and m["environment/adder/Adder"] == 1.0
+
+
+def test_a_tool_error_is_returned_to_the_policy_and_counted(tiny):
+    processor, engine = tiny
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'
+    tools = load_tools([add])
+    multi = MultiTurnRollout(None, processor, MultiTurnConfig(max_turns=2), tools=tools,
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(ScriptedFirstTurn(engine, processor, text), text_samples()[:1],
+                           SamplingParams(n=1, max_new_tokens=4, seed=1))
+    between = batch.extras["dialogue"][0][1]["text"]
+    assert "missing required argument(s) b" in between and "not valid JSON" in between
+    assert multi.last_metrics["tools/errors"] == 2 and multi.last_metrics["tools/calls"] == 2
+
+
+def test_a_turn_without_tool_calls_goes_to_the_environment_and_rewards_add_up(tiny):
+    processor, engine = tiny
+    multi = MultiTurnRollout(EnvironmentPool({"guess": Guess}), processor, MultiTurnConfig(max_turns=3),
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    samples = text_samples()[:2]
+    batch = multi.generate(engine, samples, SamplingParams(n=2, max_new_tokens=3, seed=4))
+    for rewards, turns, reason, dialogue in zip(batch.extras["environment_rewards"], batch.extras["num_turns"],
+                                               batch.extras["stop_reason"], batch.extras["dialogue"]):
+        # each step gave one "try": the parts of a dialogue's steps are summed
+        assert rewards["tries"] == turns and ("solved" in rewards) == (reason == "stop")
+        assert all(m["text"] == "Try again." for m in dialogue if m["role"] == "user")
+    assert multi.last_metrics["environment/guess/tries"] == pytest.approx(
+        sum(batch.extras["num_turns"]) / len(batch))
+
+
+class Flaky(Environment):
+    mode = "raise"
+
+    def step(self, message):
+        if self.mode == "raise":
+            raise RuntimeError("the game server is down")
+        if self.mode == "sleep":
+            time.sleep(2)
+        if self.mode == "wrong":
+            return "not a step"
+        return Step([{"role": "user", "content": "go on"}], reward={"points": 1.0})
+
+
+@pytest.mark.parametrize("mode, says", [("raise", "RuntimeError: the game server is down"),
+                                        ("sleep", "no answer within 0.2 s"),
+                                        ("wrong", "returned str, not a grouprl.rollout.environments.Step"),
+                                        ("reward", "reward part 'points', which")])
+def test_a_failing_environment_ends_its_dialogue_counted_or_fails_the_step(tiny, mode, says, monkeypatch):
+    processor, engine = tiny
+    monkeypatch.setattr(Flaky, "mode", mode)
+    config = MultiTurnConfig(max_turns=3, step_timeout=0.2)
+    multi = MultiTurnRollout(EnvironmentPool({"flaky": Flaky}), processor, config,
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(engine, text_samples()[:2], SamplingParams(n=1, max_new_tokens=3, seed=4))
+    assert set(batch.extras["stop_reason"]) == {"environment_failure"}
+    assert multi.last_metrics["environment/errors"] == 2
+    assert multi.last_metrics["multiturn/stop_reason/environment_failure"] == 1.0
+    config.on_failure = "fail"
+    with pytest.raises(EnvironmentFailure, match=says.replace("(", r"\(").replace(")", r"\)")):
+        multi.generate(engine, text_samples()[:2], SamplingParams(n=1, max_new_tokens=3, seed=4))
+
+
+def test_an_environment_down_for_several_calls_ends_every_dialogue(tiny, monkeypatch):
+    processor, engine = tiny
+    monkeypatch.setattr(Flaky, "mode", "raise")
+    multi = MultiTurnRollout(EnvironmentPool({"flaky": Flaky}), processor,
+                             MultiTurnConfig(max_turns=3, max_consecutive_failures=2),
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    multi.generate(engine, text_samples()[:3], SamplingParams(n=1, max_new_tokens=3, seed=4))
+    assert multi.last_metrics["environment/down"] == 1.0
+
+
+def test_each_record_picks_its_environment_by_field(tiny):
+    from dataclasses import replace as copy
+
+    processor, engine = tiny
+    samples = [copy(s, columns={**s.columns, "game": name}) for s, name in zip(text_samples()[:2], ["a", "b"])]
+    pool = EnvironmentPool({"a": Guess, "b": Flaky}, field_name="game")
+    multi = MultiTurnRollout(pool, processor, MultiTurnConfig(max_turns=2), environment_field="game",
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(engine, samples, SamplingParams(n=2, max_new_tokens=3, seed=4))
+    assert [type(d) for d in pool.take(["a", "b"])] == [Guess, Flaky]
+    assert batch.extras["stop_reason"][2:] == ["environment_failure"] * 2  # Flaky raises (its class default)
+    bad = [copy(samples[0], columns={"game": "c"})]
+    with pytest.raises(EnvironmentFailure, match="field 'game' is 'c', not one of the environments"):
+        multi.generate(engine, bad, SamplingParams(n=1, max_new_tokens=3, seed=4))
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+# ---------------------------------------------------------------------------- config and trainer
+
+
+def _no_hints(a, b):
+    """Add.
+
+    Args:
+        a: x
+        b: y
+    """
+    return a + b
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"tools": ["no_such_tool"]}, "worker.rollout.multi_turn.tools': unknown tool 'no_such_tool'"),
+    ({"tools": [f"{__file__}:_no_hints"]}, "has no JSON schema"),
+    ({"environment": "no_such_environment"}, "worker.rollout.multi_turn.environment': unknown environment"),
+    ({"environment": "radiology_zoom", "reward_weights": {"solved": 2.0}}, "not a reward part"),
+])
+def test_bad_tools_and_environments_are_named_at_load(values, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")) as caught:
+        dialogue_parts(MultiTurnConfig(**values))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rollout, says", [
+    ({"multi_turn": {"environment": "verifier"}}, "names the verifier"),
+    ({"multi_turn": {"environment": "radiology_zoom"}, "verifier": {"enable": True, "backend": "rule"}},
+     "the verifier is the run's environment"),
+    ({"multi_turn": {"max_turns": 0, "tools": ["x"]}}, "multi_turn.max_turns' must be >= 1"),
+])
+def test_dialogue_settings_that_cannot_run_are_refused(rollout, says, tmp_path):
+    from grouprl.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"worker": {"rollout": rollout}}))
+    with pytest.raises(ConfigError, match=says):
+        load_config(str(path))
+
+
+@pytest.fixture(scope="module")
+def sums(text_task, tmp_path_factory):
+    """Sums, and a tiny model whose saved chat template is Qwen2.5-Instruct's (tools in the system
+    message, calls in <tool_call> blocks, results in <tool_response> blocks)."""
+    import shutil
+    from dataclasses import replace as copy
+
+    from transformers import AutoTokenizer
+
+    records = [{"problem": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 4)]
+    task = text_task(records, [CALLS, "<tool_response>", "</tool_response>"])
+    model = tmp_path_factory.mktemp("tool_model") / "model"
+    shutil.copytree(task.model, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = QWEN25
+    tokenizer.save_pretrained(model)
+    return copy(task, model=model)
+
+
+def test_a_trl_environment_and_tool_list_train_a_step(sums, tmp_path):
+    from grouprl.trainer.grpo import GRPOTrainer
+
+    module = tmp_path / "agent_parts.py"
+    module.write_text(TRL_ENVIRONMENT)
+    config = config_from_dict(sums.config(tmp_path / "run", [{"name": "length", "kwargs": {"target": 3}}], **{
+        "data.max_response_length": 5, "data.rollout_batch_size": 2, "worker.actor.global_batch_size": 2,
+        "worker.rollout.n": 2, "trainer.max_steps": 1, "trainer.val_freq": -1,
+        "worker.rollout.multi_turn": {"environment": f"{module}:Adder", "tools": [f"{module}:multiply"],
+                                      "max_turns": 2, "reward_weights": {"Adder": 0.5}}}))
+    trainer = GRPOTrainer(config)
+    trainer.engine = ScriptedFirstTurn(trainer.engine, trainer.processor, CALLS)
+    before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.named_parameters())
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(m for m in metrics if "actor/pg_loss" in m)
+    assert step["tools/calls"] == 8 and step["tools/add/calls"] == 4 and step["tools/errors"] == 0
+    # the environment's reward is a component: logged under its part's name, weighted 0.5
+    assert step["rewards/Adder/mean"] == 1.0
+    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert all(r["dialogue"][1]["role"] == "tool" and r["tool_calls"] == 2 for r in rollouts)
+    batch = trainer.last_step.batch
+    assert bool((batch.loss_mask <= batch.policy_mask).all())
+    assert bool((batch.response_mask.sum(-1) > batch.policy_mask.sum(-1)).all())  # tool text: attended, no loss
