@@ -169,7 +169,7 @@ def tool_corpus(problems, schema: dict) -> list[str]:
 
 TOOL_FULL = dict(train=1000, val=300, max_value=10, sft_epochs=4, grpo_steps=20, n=8, prompts_per_step=16)
 # --quick: every stage in seconds; the SFT models write calls and answers in the right format
-TOOL_QUICK = dict(train=128, val=32, max_value=10, sft_epochs=6, grpo_steps=3, n=4, prompts_per_step=4)
+TOOL_QUICK = dict(train=192, val=32, max_value=10, sft_epochs=6, grpo_steps=3, n=4, prompts_per_step=4)
 TOOL_MODEL = dict(hidden_size=128, layers=4, heads=4, kv_heads=2, vocab_size=768)  # 768: the tool text in few tokens
 TOOL_REWARD = "accuracy"  # 1 when the final turn's boxed answer is right
 TOOL_MAX_TURNS = 3
