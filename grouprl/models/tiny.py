@@ -306,18 +306,22 @@ def build_tiny_text_lm(
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 4096,
     save_dtype: str | torch.dtype | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Build a randomly initialised Qwen2 causal LM with the tokenizer and save both to ``out_dir``.
 
     ``attention_dropout`` > 0 makes every training forward draw from torch's RNG (tests of
     exact resume need a run that does). ``model_vocab_size`` (embedding rows, default the
     tokenizer's size rounded up to 64), ``rope_theta``, ``max_position_embeddings`` and
-    ``save_dtype`` (default float32) are as in ``build_tiny_vlm``.
+    ``save_dtype`` (default float32) are as in ``build_tiny_vlm``. ``chat_template``: the tokenizer's
+    template instead of the ChatML :data:`CHAT_TEMPLATE` (one that renders tools, for tool use).
     """
     out_dir = Path(out_dir)
     if hidden_size % heads:
         raise ValueError(f"build_tiny_text_lm: hidden_size={hidden_size} is not divisible by heads={heads}")
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     ids = _special_ids(tokenizer)
     config = Qwen2Config(
         vocab_size=_embedding_rows(tokenizer, model_vocab_size, "build_tiny_text_lm"),

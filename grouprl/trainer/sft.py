@@ -52,6 +52,85 @@ def answer_batch(processor, samples: list[Sample], *, max_prompt_length: int | N
     )
 
 
+DIALOGUE_COLUMN = "turns"  # a record's turns between its prompt and its answer (dialogue_batch)
+
+
+def dialogue_batch(processor, samples: list[Sample], *, max_prompt_length: int | None,
+                   max_response_length: int) -> RolloutBatch:
+    """:func:`answer_batch` for dialogues: the response is a multi-turn trace in token space, as a
+    multi-turn rollout builds it, with only the assistant's turns trained.
+
+    A sample's column ``turns`` (:data:`DIALOGUE_COLUMN`; none: a single answer) holds the messages
+    between its prompt and its reference answer: ``{"role": "assistant", "content": text}`` turns and
+    the observation messages after each (``user`` / ``tool``, as the rollout appends them). The
+    response is, in order: each assistant turn's ids + the end-of-turn token (``policy_mask`` 1),
+    the observation messages as :func:`grouprl.rollout.turn_tokens.between_turns` renders them
+    after that end-of-turn token (``policy_mask`` 0: attended, not trained), and the answer + the
+    end-of-turn token (``policy_mask`` 1). A response longer than ``max_response_length`` is an
+    error naming the sample (cutting it would train a turn without its end).
+    """
+    from grouprl.models.inputs import encode_prompts, end_of_turn_id, tokenizer_of
+    from grouprl.rollout.turn_tokens import between_turns
+
+    tokenizer = tokenizer_of(processor)
+    prompt_ids, prompt_mask, model_inputs = encode_prompts(processor, samples, max_prompt_length=max_prompt_length)
+    end = end_of_turn_id(tokenizer)
+    rows, masks = [], []
+    for s in samples:
+        if s.answer is None:
+            raise ValueError(f"{s.source}: record {s.index}: field 'answer': SFT needs a reference answer")
+        turns = s.columns.get(DIALOGUE_COLUMN) or []
+        if not isinstance(turns, list):
+            raise ValueError(f"{s.source}: record {s.index}: field {DIALOGUE_COLUMN!r} must be a list of messages")
+        ids: list[int] = []
+        policy: list[int] = []
+        pending: list[dict] = []
+
+        def close_observation() -> None:
+            if pending:
+                between = between_turns(processor, pending, after_end_of_turn=True,
+                                        chat_template_kwargs=s.chat_template_kwargs).ids
+                ids.extend(between)
+                policy.extend([0] * len(between))
+                pending.clear()
+
+        for j, message in enumerate(turns + [{"role": "assistant", "content": s.answer}]):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role == "assistant":
+                if not isinstance(message.get("content"), str):
+                    raise ValueError(f"{s.source}: record {s.index}: field {DIALOGUE_COLUMN!r}, message {j}: "
+                                     "an assistant turn's content must be text")
+                if not pending and ids:
+                    raise ValueError(f"{s.source}: record {s.index}: field {DIALOGUE_COLUMN!r}, message {j}: "
+                                     "two assistant turns with no message between them")
+                close_observation()
+                turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [end]
+                ids.extend(turn)
+                policy.extend([1] * len(turn))
+            else:
+                pending.append(message)  # between_turns names a bad role or content
+        if len(ids) > max_response_length:
+            raise ValueError(f"{s.source}: record {s.index}: the dialogue is {len(ids)} tokens, more than "
+                             f"data.max_response_length ({max_response_length})")
+        rows.append(ids)
+        masks.append(policy)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    response_ids = torch.full((len(samples), width), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    policy_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for i, (ids, policy) in enumerate(zip(rows, masks)):
+        response_ids[i, : len(ids)] = torch.tensor(ids)
+        response_mask[i, : len(ids)] = 1
+        policy_mask[i, : len(ids)] = torch.tensor(policy)
+    return RolloutBatch(
+        samples=list(samples), group_index=torch.arange(len(samples)), prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask, policy_mask=policy_mask,
+        responses=[s.answer for s in samples], truncated=torch.zeros(len(samples), dtype=torch.bool),
+        model_inputs=model_inputs,
+    )
+
+
 def _nll_log_probs(model, batch: RolloutBatch):
     from grouprl.rollout.logprobs import compute_log_probs
 
@@ -64,11 +143,14 @@ def _nll_loss(mb: RolloutBatch, log_prob: torch.Tensor, entropy, norms: Normalis
     return loss, {"loss": loss.detach()}
 
 
-def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None = None) -> Path:
+def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None = None,
+            batch_fn=answer_batch) -> Path:
     """Train on reference answers and save a Hugging Face model (adapters merged) to ``output_dir``.
 
     The same update loop, precision policy and process handling as GRPO training
     (``trainer.update.run_update``); one optimizer step per batch of ``sft.batch_size``.
+    ``batch_fn``: how a batch of samples becomes the trained responses (:func:`answer_batch`, or
+    :func:`dialogue_batch` for multi-turn traces).
     """
     from accelerate.utils import set_seed
 
@@ -108,7 +190,7 @@ def run_sft(config: Config, *, train_dataset=None, output_dir: str | Path | None
             for b in range(steps_per_epoch):
                 t0 = time.perf_counter()
                 indices = order[b * sft.batch_size:(b + 1) * sft.batch_size][rank::world]
-                batch = answer_batch(processor, [train_dataset[int(i)] for i in indices],
+                batch = batch_fn(processor, [train_dataset[int(i)] for i in indices],
                                      max_prompt_length=config.data.max_prompt_length,
                                      max_response_length=config.data.max_response_length)
                 metrics = StepMetrics()

@@ -15,9 +15,6 @@ from grouprl.files import read_json_records, write_text_atomic
 from grouprl.domains.demos.curves import curve_line, plot_reward_curves
 
 
-def _model_config(model_path: str) -> dict:
-    return {"model_path": model_path, "dtype": "float32"}
-
 # ---------------------------------------------------------------------------- `grouprl demo --guided`
 #
 # Guided-GRPO against GRPO on synthetic arithmetic word problems ("a + b - c" and the
@@ -48,7 +45,8 @@ GUIDED_RESPONSE_TOKENS = 48  # the worked solutions are 25-35 tokens
 GUIDED_RUNS = {"grpo": "SFT+GRPO", "guided": "SFT+Guided-GRPO"}
 
 
-def _model_config(model_path: str) -> dict:
+def model_config(model_path: str) -> dict:
+    """``worker.actor.model`` for a demo's tiny model at ``model_path`` (float32: CPU)."""
     return {"model_path": model_path, "dtype": "float32"}
 
 
@@ -59,7 +57,7 @@ def guided_demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int
     trainer = {"logger": ["console", "jsonl"], "seed": seed, "device": "cpu"}
     sft = {
         "data": {**common_data, "train_files": [str(data["train"]), str(data["corrections"])]},
-        "worker": {"actor": {"model": _model_config(str(out / "init_model")),
+        "worker": {"actor": {"model": model_config(str(out / "init_model")),
                              "optim": {"lr": 3e-3, "weight_decay": 0.0, "lr_scheduler_type": "cosine",
                                        "lr_warmup_ratio": 0.05}}},
         "sft": {"epochs": sizes["sft_epochs"], "batch_size": 32, "micro_batch_size": 32},
@@ -69,7 +67,7 @@ def guided_demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int
         "data": {**common_data, "rollout_batch_size": sizes["prompts_per_step"]},
         "algorithm": {"adv_estimator": "grpo", "loss_agg_mode": "token-mean", "kl_coef": 0.0},
         "worker": {
-            "actor": {"model": _model_config(str(out / "sft_model")),
+            "actor": {"model": model_config(str(out / "sft_model")),
                       # above ~1e-4 the tiny policy's held-out accuracy falls within 40 steps (5e-4: 0.23 -> 0.06)
                       "optim": {"lr": 3e-5, "weight_decay": 0.0},
                       "global_batch_size": sizes["prompts_per_step"],
@@ -235,7 +233,7 @@ def feedback_check(model, processor, samples, *, k: int = FEEDBACK_SAMPLES, seed
             "helps": gain > 2 * se}
 
 
-def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
+def training_summary(metrics_file: Path, rows_per_step: int) -> dict:
     """Per-run means over the training steps: reward, and for dialogues, turns and how they ended;
     ``policy_tokens``, the tokens the policy sampled over the run (``rows_per_step`` samples a step)."""
     rows = read_json_records(metrics_file)
@@ -246,7 +244,8 @@ def _training_summary(metrics_file: Path, rows_per_step: int) -> dict:
            "reward_last_5": sum(r["reward/mean"] for r in rows[-5:]) / len(rows[-5:])}
     for key, name in (("multiturn/turns", "turns_mean"), ("multiturn/stop_reason/stop", "stop_rate"),
                       ("multiturn/stop_reason/max_turns", "max_turns_rate"), ("multiturn/stop_reason/length", "length_rate"),
-                      ("verifier/failures", "verifier_failures")):
+                      ("verifier/failures", "verifier_failures"), ("tools/calls", "tool_calls_per_step"),
+                      ("tools/errors", "tool_errors_per_step")):
         values = [r[key] for r in rows if key in r]
         if values:
             out[name] = sum(values) / len(values) if name != "verifier_failures" else sum(values)
@@ -266,7 +265,7 @@ def run_guided_demo(out: str | Path | None = None, *, quick: bool = False, seed:
 
         try:  # K >= 1, and no seed directory holds another run's results or foreign files
             statuses = {s: guided_seed_status(Path(out) / f"seed_{s}", s, GUIDED_QUICK if quick else GUIDED_FULL)
-                        for s in _seed_range(seed, seeds)}
+                        for s in seed_range(seed, seeds)}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         return run_guided_seeds(out, statuses, quick=quick)
@@ -285,7 +284,7 @@ GUIDED_ORDER = [GUIDED_RUNS["guided"], GUIDED_RUNS["grpo"], "SFT"]  # the seed's
 _GUIDED_ENTRIES = {"data", "init_model", "sft", "sft_model", *GUIDED_RUNS, "guided_rewards.png", "summary.json"}
 
 
-def _seed_range(seed: int, seeds: int) -> range:
+def seed_range(seed: int, seeds: int) -> range:
     if seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {seeds}")
     return range(seed, seed + seeds)
@@ -443,7 +442,7 @@ def _run_guided_demo(out: str | Path = "runs/demo-guided", *, quick: bool = Fals
         seconds[label] = time.perf_counter() - t0
         results[label] = evaluate_arithmetic(trainer.policy, trainer.processor, samples)
         curves[label] = out / key / "metrics.jsonl"
-        training[label] = _training_summary(curves[label], rows_per_step)
+        training[label] = training_summary(curves[label], rows_per_step)
         del trainer
     results = {name: results[name] for name in ("SFT", *GUIDED_RUNS.values())}
     curves = {name: curves[name] for name in GUIDED_RUNS.values()}
