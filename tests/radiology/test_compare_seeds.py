@@ -152,9 +152,9 @@ def test_summarize_seeds_one_seed_and_bad_input():
 @pytest.mark.parametrize("argv, message", [
     (["--compare", "--seeds", "0"], "at least 1"),
     (["--compare", "--seeds", "-2"], "at least 1"),
-    (["--seeds", "2"], "is an option of the --compare and --guided demos; use it with one of them"),
+    (["--seeds", "2"], "is an option of the --compare, --guided and --tools demos; use it with one of them"),
     (["--guided", "--compare", "--seeds", "2"], "--guided and --compare are separate demos; choose one"),
-    (["--flow", "--seeds", "2"], "is an option of the --compare and --guided demos; use it with one of them"),
+    (["--flow", "--seeds", "2"], "is an option of the --compare, --guided and --tools demos; use it with one of them"),
 ])
 def test_seeds_rejects_bad_use_before_running_anything(tmp_path, capsys, argv, message):
     out = tmp_path / "x"
