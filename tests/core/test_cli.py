@@ -68,6 +68,20 @@ def test_sft_writes_a_loadable_model_that_learned(project, tmp_path):
     assert nll(trained) < nll(base) - 0.5
 
 
+@pytest.mark.parametrize("override, says", [
+    ("worker.rollout.multi_turn.tools=[calculater]", "config key 'worker.rollout.multi_turn.tools': unknown tool "
+                                                     "'calculater'"),
+    ("worker.rollout.multi_turn.environment=no_such_env", "config key 'worker.rollout.multi_turn.environment': "
+                                                          "unknown environment 'no_such_env'"),
+    # the tiny model's chat template shows no tool-call format: the parser must be named
+    ("worker.rollout.multi_turn.environment=radiology_zoom", "config key 'worker.rollout.multi_turn.tool_parser'"),
+])
+def test_an_unknown_tool_or_environment_is_one_line_and_exit_2(project, tmp_path, capsys, override, says):
+    assert main(["train", str(project / "config.yaml"), f"trainer.output_dir={tmp_path / 'run'}", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weights' progress bar, for the parser
+    assert says in err and err.startswith("grouprl: config error:")
+
+
 def test_config_error_exit_code_and_message(project, capsys):
     assert main(["train", str(project / "config.yaml"), "worker.rollout.nn=3"]) == 2
     err = capsys.readouterr().err
