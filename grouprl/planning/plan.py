@@ -70,6 +70,7 @@ class RunSettings:
 def settings_from_config(config, *, gpus: int = 1, teacher_parameters: int = 0) -> RunSettings:
     """The run settings of ``config`` (a grouprl ``Config``) on ``gpus`` devices."""
     from grouprl.rollout.engine import engine_class
+    from grouprl.rollout.multiturn import run_response_budget
     from grouprl.trainer.grpo import reference_model_needed
 
     actor, roll, data = config.worker.actor, config.worker.rollout, config.data
@@ -80,7 +81,8 @@ def settings_from_config(config, *, gpus: int = 1, teacher_parameters: int = 0) 
         checkpointing=actor.model.enable_gradient_checkpointing,
         micro_batch_update=actor.micro_batch_size_per_device_for_update,
         micro_batch_experience=actor.micro_batch_size_per_device_for_experience, padding_free=actor.padding_free,
-        prompt_length=data.max_prompt_length, response_length=data.max_response_length,
+        # a multi-turn rollout's response is its whole dialogue: turns and what came between them
+        prompt_length=data.max_prompt_length, response_length=run_response_budget(config),
         rollout_batch_size=data.rollout_batch_size, n=roll.n, chunk_tokens=actor.log_prob_chunk_tokens,
         reference=reference_model_needed(config), engine=roll.engine,
         engine_owns_weights=engine_class(roll.engine).owns_weights, async_mode=config.trainer.async_mode,

@@ -149,6 +149,18 @@ def dialogue_response_budget(max_response_length: int, config) -> int:
     return budget
 
 
+def run_response_budget(config) -> int:
+    """The most response tokens one rollout of the run ``config`` can hold: a dialogue's
+    (:func:`dialogue_response_budget`) under ``worker.rollout.verifier`` or ``multi_turn``, else
+    ``data.max_response_length``. vLLM sizes its context with it, ``grouprl plan`` its sequences."""
+    roll, length = config.worker.rollout, config.data.max_response_length
+    if roll.verifier.enable:
+        return dialogue_response_budget(length, roll.verifier)
+    if roll.multi_turn.enabled:
+        return dialogue_response_budget(length, roll.multi_turn)
+    return length
+
+
 def problem_text(sample: Sample) -> str:
     """The first user message's text, images shown as ``[IMAGE]``: all the verifier sees of the problem.
 

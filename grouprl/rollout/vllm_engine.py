@@ -576,12 +576,10 @@ class VLLMEngine(RolloutEngine):
         actor, roll, data = config.worker.actor, config.worker.rollout, config.data
         if not actor.model.model_path:
             raise ValueError("worker.rollout.engine 'vllm' loads the checkpoint itself: set worker.actor.model.model_path")
-        response_budget = data.max_response_length
-        if roll.verifier.enable or roll.multi_turn.enabled:  # a dialogue's context holds every turn and what came between
-            from grouprl.rollout.multiturn import dialogue_response_budget
+        from grouprl.rollout.multiturn import run_response_budget
 
-            dialogue = roll.verifier if roll.verifier.enable else roll.multi_turn
-            response_budget = dialogue_response_budget(data.max_response_length, dialogue)
+        # a dialogue's context holds every turn and what came between them
+        response_budget = run_response_budget(config)
         return cls(model, processor, model_path=actor.model.model_path, max_prompt_length=data.max_prompt_length,
                    max_response_length=response_budget, dtype=vllm_dtype(actor.model.dtype, model),
                    gpu_memory_utilization=roll.gpu_memory_utilization, enforce_eager=roll.enforce_eager,

@@ -258,3 +258,20 @@ def test_a_colocated_vllm_share_that_does_not_fit_is_cut_to_what_the_step_needs(
     cut = dataclasses.replace(vllm, worker=dataclasses.replace(vllm.worker, rollout=dataclasses.replace(
         vllm.worker.rollout, gpu_memory_utilization=value)))
     assert share["peak_bytes"] == build_plan(cut, gpus=1, gpu_memory=memory_size)["peak_bytes"]
+
+
+def test_a_dialogue_is_planned_with_its_whole_length(run):
+    """Under multi-turn rollouts a response is the whole dialogue: max_turns turns and what comes between them."""
+    from grouprl.config.load import load_config, to_dict
+    from grouprl.rollout.multiturn import TEMPLATE_TOKENS_PER_TURN
+
+    base = to_dict(run["config"])
+    single = settings_from_config(run["config"])
+    tools = load_config(None, ["worker.rollout.multi_turn.tools=[calculator]", "worker.rollout.multi_turn.max_turns=3",
+                               "worker.rollout.multi_turn.max_observation_tokens=40"], base=base)
+    # 3 turns of data.max_response_length, and 40 tokens between each two
+    assert settings_from_config(tools).response_length == 3 * single.response_length + 2 * 40
+    guided = load_config(None, ["worker.rollout.verifier.enable=true", "worker.rollout.verifier.backend=rule",
+                                "worker.rollout.verifier.max_turns=2", "worker.rollout.verifier.max_tokens=10"],
+                         base=base)
+    assert settings_from_config(guided).response_length == 2 * single.response_length + 10 + TEMPLATE_TOKENS_PER_TURN
