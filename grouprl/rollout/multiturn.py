@@ -215,6 +215,15 @@ def with_observation(sample: Sample, observation: str | list[dict] | None, tools
     return replace(sample, messages=messages, images=images, chat_template_kwargs=kwargs)
 
 
+@dataclass(frozen=True)
+class MetricKinds:
+    """How a call's metrics combine over micro-batches and processes: ``metric_kinds`` (``sum`` for
+    counts; the rest are means) and ``metric_weights`` (a mean's weight when it is not the rows)."""
+
+    metric_kinds: dict[str, str]
+    metric_weights: dict[str, float]
+
+
 class MultiTurnRollout:
     """Runs dialogues on an engine; ``generate`` returns them as a RolloutBatch.
 
@@ -225,9 +234,10 @@ class MultiTurnRollout:
     every dialogue has besides its environment's; ``tool_parser``: the tool-call format (None:
     from the chat template).
 
-    ``last_metrics`` (with ``metric_kinds``) describes the last call: turns per dialogue, stop
-    reasons, tool calls and errors, environment failures and rewards, and what the environment
-    adds (the verifier's tokens, latency, hallucination scores).
+    ``last_metrics`` (with ``metric_kinds`` and, for means not weighted by rows, ``metric_weights``)
+    describes the last call: turns per dialogue, stop reasons, tool calls and errors, environment
+    failures and rewards, and what the environment adds (the verifier's tokens, latency,
+    hallucination scores).
     """
 
     def __init__(self, environments, processor, config, *, end_of_turn_ids: list[int],
@@ -254,6 +264,7 @@ class MultiTurnRollout:
         self._parser: str | None = None  # resolved on first use: a dialogue without tools needs none
         self.last_metrics: dict[str, float] = {}
         self.metric_kinds: dict[str, str] = {}
+        self.metric_weights: dict[str, float] = {}  # a mean's weight when it is not the call's rows
         self._failed_in_a_row = 0  # environment calls, in request order, within one generate call
         self._schemas: dict[tuple, dict] = {}
 
@@ -355,6 +366,11 @@ class MultiTurnRollout:
         return self._schemas[key]
 
     # ------------------------------------------------------------------ answering a turn
+
+    def metrics_snapshot(self) -> tuple[MetricKinds, dict[str, float]]:
+        """The last call's metrics with how they combine, as a rollout transform reports them: taken now,
+        since the next call (the next micro-batch) replaces them."""
+        return MetricKinds(dict(self.metric_kinds), dict(self.metric_weights)), dict(self.last_metrics)
 
     @property
     def tool_parser(self) -> str:
@@ -608,8 +624,13 @@ class MultiTurnRollout:
         return d.stop_reason == "stop" and segment.policy and segment is not _last_policy_segment(d)
 
     def _metrics(self, dialogues: list[Dialogue]) -> tuple[dict[str, float], dict[str, str]]:
+        """The call's metrics and their kinds. Every process must log the same keys (the step's metrics are
+        reduced key by key), so the keys come from the run's environments and tools, not from the
+        dialogues this call happened to have: a per-environment mean with no dialogue here has weight 0
+        (:attr:`metric_weights`)."""
         n = len(dialogues)
-        kinds: dict[str, str] = {}
+        kinds: dict[str, str] = {"environment/errors": "sum"}
+        self.metric_weights = {}
         metrics = {
             "multiturn/turns": sum(len(d.turns) for d in dialogues) / n,
             # policy turns out of the loss (turn_credit: mask_fixed), per dialogue
@@ -618,33 +639,37 @@ class MultiTurnRollout:
             # 1 when max_consecutive_failures ended the dialogues (the environment taken as down)
             "environment/down": float(self._failed_in_a_row >= self.config.max_consecutive_failures),
         }
-        kinds["environment/errors"] = "sum"
-        reasons = list(STOP_REASONS) + sorted({d.environment.failure_reason for d in dialogues})
+        probes = dict(zip(self.pool.factories, self.pool.take(list(self.pool.factories))))
+        reasons = list(STOP_REASONS) + sorted({env.failure_reason for env in probes.values()})
         for reason in reasons:
             metrics[f"multiturn/stop_reason/{reason}"] = sum(d.stop_reason == reason for d in dialogues) / n
-        runners = [d.tools for d in dialogues if d.tools is not None]
-        if runners:
+        tool_names = [t.name for t in self.tools] + sorted({self._schema(fn)["function"]["name"]
+                                                             for env in probes.values() for fn in env.tools()})
+        if tool_names:
+            runners = [d.tools for d in dialogues if d.tools is not None]
             per_tool: Counter[str] = Counter()
             for r in runners:
                 per_tool.update(r.per_tool)
             metrics["tools/calls"] = float(sum(r.attempted for r in runners))
             metrics["tools/errors"] = float(sum(r.errors for r in runners))
             metrics["tools/refused"] = float(sum(r.refused for r in runners))
-            for name in sorted({t for r in runners for t in r.tools}):
+            for name in tool_names:
                 metrics[f"tools/{name}/calls"] = float(per_tool[name])
             kinds.update({k: "sum" for k in metrics if k.startswith("tools/")})
         for part in self.pool.reward_parts():
-            for name in sorted({d.environment_name for d in dialogues}):
+            for name in probes:
                 values = [d.rewards[part] for d in dialogues if d.environment_name == name and part in d.rewards]
-                if values:
-                    metrics[f"environment/{name}/{part}"] = sum(values) / len(values)
-        for cls in {type(d.environment) for d in dialogues}:
+                key = f"environment/{name}/{part}"
+                metrics[key] = sum(values) / len(values) if values else 0.0
+                self.metric_weights[key] = len(values)
+        for cls in dict.fromkeys(type(env) for env in probes.values()):
             hook = getattr(cls, "metrics", None)
-            if hook is not None:
+            if hook is not None:  # called with this call's dialogues of the class, possibly none
                 extra, extra_kinds = hook([d.environment for d in dialogues if type(d.environment) is cls])
                 metrics.update(extra)
                 kinds.update(extra_kinds)
         return metrics, kinds
+
 
 def _same_prompt(a: Sample, b: Sample) -> bool:
     return a.messages == b.messages and a.chat_template_kwargs == b.chat_template_kwargs and \

@@ -563,7 +563,7 @@ class VerifierEnvironment(Environment):
     def metrics(environments: list[VerifierEnvironment]) -> tuple[dict[str, float], dict[str, str]]:
         """The verifier's figures over a call's dialogues, and how each adds up across calls."""
         replies = [r for env in environments for r in env.replies]
-        n = len(environments)
+        n = max(len(environments), 1)
         metrics = {
             "multiturn/hallucination_score": sum(env.hallucination_score() for env in environments) / n,
             "verifier/failures": float(sum(r.failed for r in replies)),

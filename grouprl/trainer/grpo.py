@@ -687,8 +687,7 @@ class GRPOTrainer(TrainingLoop):
                         else:
                             batch = self.engine.generate(chunk, sampling)
                         spent["generate"] += time.perf_counter() - t0
-                        scoring.add(batch, [(self.multiturn, dict(self.multiturn.last_metrics))] if self.multiturn
-                                    else [])
+                        scoring.add(batch, [self.multiturn.metrics_snapshot()] if self.multiturn else [])
                     scored = scoring.scored()
                 spent["reward"] += scoring.score_s
                 if rounds == 0:  # what the policy produced, before any filtering
@@ -814,11 +813,12 @@ class GRPOTrainer(TrainingLoop):
             metrics.mean("frac_reward_zero_std", float(zero_std.float().mean()) if rows else 0.0, rows)
         for transform, transform_metrics in transformed:
             kinds = getattr(transform, "metric_kinds", {})
+            weights = getattr(transform, "metric_weights", {})  # a mean over other than the rows
             for key, value in transform_metrics.items():
                 if kinds.get(key) == "sum":
                     metrics.sum(key, value)
                 else:
-                    metrics.mean(key, value, rows)
+                    metrics.mean(key, value, weights.get(key, rows))
         if transformed and result is not None:
             for name, mask in (("edited", batch.edited), ("unedited", ~batch.edited)):
                 count = int(mask.sum())

@@ -257,6 +257,27 @@ def test_each_record_picks_its_environment_by_field(tiny):
         multi.generate(engine, bad, SamplingParams(n=1, max_new_tokens=3, seed=4))
 
 
+def test_every_call_logs_the_same_metric_keys_whatever_environments_it_had(tiny):
+    """Processes reduce the step's metrics key by key: a process whose records all picked one environment
+    must log the keys of the others too (a mean with no dialogue at weight 0), or the reduction fails."""
+    from dataclasses import replace as copy
+
+    processor, engine = tiny
+    pool = EnvironmentPool({"a": Guess, "notes": Notes}, field_name="game")
+    multi = MultiTurnRollout(pool, processor, MultiTurnConfig(max_turns=2), environment_field="game",
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    seen = []
+    for name in ("a", "notes"):
+        samples = [copy(s, columns={**s.columns, "game": name}) for s in text_samples()[:2]]
+        multi.generate(engine, samples, SamplingParams(n=1, max_new_tokens=3, seed=4))
+        snapshot, metrics = multi.metrics_snapshot()
+        seen.append((set(metrics), snapshot))
+    assert seen[0][0] == seen[1][0]
+    assert {"tools/note/calls", "environment/a/solved", "environment/a/tries"} <= seen[0][0]
+    # Guess's parts weigh by its dialogues: none in the second call
+    assert seen[0][1].metric_weights["environment/a/tries"] == 2 and seen[1][1].metric_weights["environment/a/tries"] == 0
+
+
 def add(a: int, b: int) -> int:
     """Add two whole numbers.
 
