@@ -373,3 +373,62 @@ def test_a_trl_environment_and_tool_list_train_a_step(sums, tmp_path):
     batch = trainer.last_step.batch
     assert bool((batch.loss_mask <= batch.policy_mask).all())
     assert bool((batch.response_mask.sum(-1) > batch.policy_mask.sum(-1)).all())  # tool text: attended, no loss
+
+
+GAMES = textwrap.dedent('''
+    from grouprl.rollout.environments import Environment, Step
+
+
+    class Echo(Environment):
+        """Done when the turn repeats the answer's first letter; each turn scores a try."""
+        reward_parts = ("tries", "echoed")
+
+        def reset(self, sample):
+            self.letter = (sample.answer or "x")[0]
+
+        def step(self, message):
+            if self.letter in message:
+                return Step(done=True, reward={"tries": 1.0, "echoed": 1.0})
+            return Step([{"role": "user", "content": "Again."}], reward={"tries": 1.0})
+
+
+    class Quiet(Environment):
+        """Ends every dialogue at once, with no reward of its own."""
+''')
+
+
+def test_two_processes_run_dialogues_with_environments_picked_per_record(tmp_path, torchrun, read_jsonl):
+    """bf16 over two gloo processes: each record picks its environment, the processes take different numbers
+    of turns, and the step's metrics reduce (the same keys on both)."""
+    import yaml
+
+    from grouprl.models.tiny import build_tiny_text_lm
+
+    words = ["yes", "no", "maybe", "left"]
+    records = [{"problem": f"Say {w} {i}", "answer": w, "game": "echo" if i % 2 else "quiet"}
+               for i in range(4) for w in words]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "games.py").write_text(GAMES)
+    build_tiny_text_lm(tmp_path / "model", [r["problem"] for r in records] + words + ["Again."], seed=0)
+    config = {
+        "data": {"train_files": ["train.jsonl"], "max_response_length": 4, "rollout_batch_size": 4},
+        "worker": {"actor": {"model": {"model_path": "model", "dtype": "bfloat16"}, "optim": {"lr": 1e-3},
+                             "global_batch_size": 4, "micro_batch_size_per_device_for_update": 4},
+                   "rollout": {"n": 2, "multi_turn": {
+                       "environments": {"echo": "games.py:Echo", "quiet": "games.py:Quiet"},
+                       "environment_field": "game", "tools": ["calculator"], "tool_parser": "hermes",
+                       "max_turns": 3}},
+                   "reward": {"functions": [{"name": "length", "kwargs": {"target": 3}}]}},
+        "trainer": {"max_steps": 2, "logger": ["jsonl"], "device": "cpu", "output_dir": "run"},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    torchrun("-m", "grouprl", "train", "config.yaml", cwd=tmp_path)
+    assert json.loads((tmp_path / "run" / "run_info.json").read_text())["num_processes"] == 2
+    steps = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "actor/pg_loss" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["multiturn/stop_reason/stop"] + m["multiturn/stop_reason/max_turns"] + \
+            m["multiturn/stop_reason/length"] == pytest.approx(1.0)
+        assert "tools/calculator/calls" in m and "rewards/tries/mean" in m and "environment/echo/tries" in m
+    rollouts = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert {r["stop_reason"] for r in rollouts} <= {"stop", "max_turns", "length"}
