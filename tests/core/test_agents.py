@@ -199,6 +199,41 @@ def test_a_turn_without_tool_calls_goes_to_the_environment_and_rewards_add_up(ti
         sum(batch.extras["num_turns"]) / len(batch))
 
 
+class AsyncGuess(Guess):
+    """Guess with an ``async def step``: the rollout runs it in its own loop."""
+
+    async def step(self, message):
+        import asyncio
+
+        await asyncio.sleep(0)
+        return Guess.step(self, message)
+
+
+@pytest.mark.parametrize("credit", ["shared", "mask_fixed"])
+def test_turn_credit_and_async_steps_apply_to_any_environment(tiny, credit, monkeypatch):
+    processor, engine = tiny
+    # every turn is right on the second try: the first is answered "Try again.", the second is done
+    monkeypatch.setattr(Guess, "reset", lambda self, sample: setattr(self, "answer", None) or
+                        setattr(self, "tries", 0))
+    original = Guess.step
+
+    def second_try(self, message):
+        step = original(self, message)
+        return Step(done=True, reward={"solved": 1.0, "tries": 1.0}) if self.tries == 2 else step
+
+    monkeypatch.setattr(Guess, "step", second_try)
+    multi = MultiTurnRollout(EnvironmentPool({"guess": AsyncGuess}), processor,
+                             MultiTurnConfig(max_turns=3, turn_credit=credit),
+                             end_of_turn_ids=[end_of_turn_id(processor)])
+    batch = multi.generate(engine, text_samples()[:2], SamplingParams(n=2, max_new_tokens=3, seed=4))
+    assert set(batch.extras["stop_reason"]) == {"stop"} and set(batch.extras["num_turns"]) == {2}
+    for row, spans in enumerate(batch.extras["spans"]):
+        first_turn = spans[0]
+        trained = bool(batch.policy_mask[row, first_turn[0]:first_turn[1]].any())
+        assert trained == (credit == "shared")
+    assert multi.last_metrics["multiturn/masked_turns"] == (1.0 if credit == "mask_fixed" else 0.0)
+
+
 class Flaky(Environment):
     mode = "raise"
 
