@@ -70,7 +70,6 @@ from grouprl.rewards.scoring import is_async, start_thread
 logger = logging.getLogger(__name__)
 
 STOP_REASONS = ("stop", "max_turns", "length")
-_MARK = "\u2063grouprl-turn-mark\u2063"  # stands for an assistant turn while the template renders around it
 
 
 @dataclass

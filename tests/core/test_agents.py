@@ -16,7 +16,7 @@ from grouprl.rollout.engine import SamplingParams
 from grouprl.rollout.logprobs import compute_log_probs
 from grouprl.rollout.environments import Environment, EnvironmentFailure, EnvironmentPool, Step
 from grouprl.rollout.multiturn import MultiTurnRollout, dialogue_parts
-from grouprl.rollout.tools import ToolLimits, load_tools
+from grouprl.rollout.tools import load_tools
 from grouprl.rollout.turn_tokens import between_turns
 
 from scripted_turns import ScriptedFirstTurn  # tests/scripted_turns.py
