@@ -173,7 +173,8 @@ def test_quick_tool_demo_trains_with_and_without_the_calculator_from_one_model(t
 
 
 # the seeds' plumbing at the smallest sizes that run every stage
-PLUMBING = dict(train=32, val=8, max_value=10, sft_epochs=1, grpo_steps=1, n=2, prompts_per_step=2)
+PLUMBING = dict(train=32, val=8, max_value=10, sft_epochs=1, sft_batch_size=32, grpo_steps=1, n=2,
+                prompts_per_step=2)
 
 
 def test_tool_seeds_report_intervals_and_paired_differences_from_each_seed(tmp_path, capsys, monkeypatch):
