@@ -192,7 +192,8 @@ TOOL_CAVEATS = (
     "for real models or real tasks (a large model does this arithmetic itself), that the gap comes from the tool "
     "rather than from the shorter answer it trains, or a difference smaller than the seeds' noise (few seeds; one "
     "seed gives no interval). The calculator run learns the call format from its SFT traces; GRPO only reinforces "
-    "or wears it.")
+    "or wears it. Whether its SFT model copies the problem's numbers into the call (right call) decides its "
+    "accuracy, and at this budget that varies with the seed.")
 
 
 def tool_demo_configs(out: Path, data: dict[str, Path], sizes: dict, seed: int) -> dict[str, tuple[dict, dict]]:
