@@ -165,6 +165,7 @@ def test_quick_tool_demo_trains_with_and_without_the_calculator_from_one_model(t
     assert configs["tools"] == configs["plain"]
     sft = {key: yaml.safe_load((out / key / "sft" / "config.yaml").read_text()) for key in td.TOOL_RUNS}
     assert {c["worker"]["actor"]["model"]["model_path"] for c in sft.values()} == {str(out / "init_model")}
+    assert [c["sft"]["batch_size"] for c in sft.values()] == [summary["sizes"]["sft_batch_size"]] * 2
     traces = _jsonl(out / "data" / "sft_tools.jsonl")
     assert len(traces) == summary["sizes"]["train"] and all(t["turns"][1]["role"] == "tool" for t in traces)
 
@@ -173,7 +174,8 @@ def test_quick_tool_demo_trains_with_and_without_the_calculator_from_one_model(t
 
 
 # the seeds' plumbing at the smallest sizes that run every stage
-PLUMBING = dict(train=32, val=8, max_value=10, sft_epochs=1, grpo_steps=1, n=2, prompts_per_step=2)
+PLUMBING = dict(train=32, val=8, max_value=10, sft_epochs=1, sft_batch_size=32, grpo_steps=1, n=2,
+                prompts_per_step=2)
 
 
 def test_tool_seeds_report_intervals_and_paired_differences_from_each_seed(tmp_path, capsys, monkeypatch):
