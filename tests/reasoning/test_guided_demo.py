@@ -141,3 +141,25 @@ def test_guided_seeds_report_intervals_and_paired_differences_from_each_seed(tmp
     assert "notes.txt" in capsys.readouterr().err and (out / "seed_5" / "notes.txt").read_text() == "mine"
     assert main(["demo", "--guided", "--quick", "--seeds", "0", "--out", str(out)]) == 2
     assert "--seeds must be at least 1" in capsys.readouterr().err
+
+
+def test_seed_summaries_reuse_a_complete_seed_and_rerun_an_interrupted_one_clean(tmp_path):
+    from rich.console import Console
+
+    (tmp_path / "seed_0").mkdir()
+    (tmp_path / "seed_0" / "summary.json").write_text(json.dumps({"seed": 0}))
+    (tmp_path / "seed_1" / "grpo").mkdir(parents=True)
+    (tmp_path / "seed_1" / "grpo" / "metrics.jsonl").write_text("{}\n")  # an interrupted run's log
+    (tmp_path / "seed_1" / "notes.txt").write_text("not the demo's")
+    ran = []
+
+    def run(seed_dir, seed):
+        ran.append((seed, sorted(p.name for p in seed_dir.iterdir())))
+        (seed_dir / "summary.json").write_text(json.dumps({"seed": seed}))
+
+    summaries, reused = demo.seed_summaries(tmp_path, {0: "complete", 1: "incomplete", 2: "new"},
+                                            lambda d, s: (d.mkdir(exist_ok=True), run(d, s)), {"grpo"},
+                                            Console(file=None, quiet=True))
+    assert reused == [0] and summaries == {0: {"seed": 0}, 1: {"seed": 1}, 2: {"seed": 2}}
+    # the interrupted seed's own entries went before it ran again; what the demo does not write stayed
+    assert ran == [(1, ["notes.txt"]), (2, [])]

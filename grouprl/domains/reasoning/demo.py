@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -302,6 +303,28 @@ def guided_seed_status(seed_dir: Path, seed: int, sizes: dict) -> str:
         entries=_GUIDED_ENTRIES)
 
 
+def seed_summaries(out: Path, statuses: dict[int, str], run: Callable[[Path, int], None], entries: set[str],
+                   console) -> tuple[dict[int, dict], list[int]]:
+    """Each seed's ``summary.json``, running ``run(seed_dir, seed)`` for the seeds not complete (an
+    interrupted one from the start: its ``entries`` removed first, since a fresh trainer appends to the
+    logs it finds); and the seeds reused."""
+    summaries, reused = {}, []
+    for s, status in statuses.items():
+        seed_dir = out / f"seed_{s}"
+        if status == "complete":
+            console.print(f"seed {s}: complete results in {seed_dir}, reused (not run again)")
+            reused.append(s)
+        else:
+            if status == "incomplete":
+                console.print(f"seed {s}: an interrupted run in {seed_dir}, run again from the start")
+                for entry in seed_dir.iterdir():
+                    if entry.name in entries or entry.name.startswith("."):
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            run(seed_dir, s)
+        summaries[s] = json.loads((seed_dir / "summary.json").read_text())
+    return summaries, reused
+
+
 def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool = False) -> dict:
     """Each seed's run (a complete one reused, an interrupted one run again from the start), then each
     model's mean accuracy (three ways) with its 95% t-interval, the paired differences Guided-GRPO -
@@ -314,21 +337,10 @@ def run_guided_seeds(out: str | Path, statuses: dict[int, str], *, quick: bool =
     console = Console()
     out = Path(out)
     t_start = time.perf_counter()
-    per_seed, reused = {}, []
-    for s, status in statuses.items():
-        seed_dir = out / f"seed_{s}"
-        if status == "complete":
-            console.print(f"seed {s}: complete results in {seed_dir}, reused (not run again)")
-            reused.append(s)
-        else:
-            if status == "incomplete":
-                console.print(f"seed {s}: an interrupted run in {seed_dir}, run again from the start")
-                for entry in seed_dir.iterdir():
-                    if entry.name in _GUIDED_ENTRIES or entry.name.startswith("."):
-                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            _run_guided_demo(seed_dir, quick=quick, seed=s)
-        summary = json.loads((seed_dir / "summary.json").read_text())
-        per_seed[s] = {name: {key: row[key] for _, key in GUIDED_METRICS} for name, row in summary["models"].items()}
+    summaries, reused = seed_summaries(out, statuses, lambda d, s: _run_guided_demo(d, quick=quick, seed=s),
+                                       _GUIDED_ENTRIES, console)
+    per_seed = {s: {name: {key: row[key] for _, key in GUIDED_METRICS} for name, row in summary["models"].items()}
+                for s, summary in summaries.items()}
     metrics = [key for _, key in GUIDED_METRICS]
     stats = summarize_seeds(per_seed, metrics=metrics, order=GUIDED_ORDER)
     k = stats["k"]

@@ -21,14 +21,13 @@ from __future__ import annotations
 import ast
 import json
 import operator
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from grouprl.config import config_from_dict, merge_values
-from grouprl.domains.reasoning.demo import model_config, seed_range, training_summary
+from grouprl.domains.reasoning.demo import model_config, seed_range, seed_summaries, training_summary
 from grouprl.files import write_text_atomic
 
 # ---------------------------------------------------------------------------- the tool
@@ -456,21 +455,10 @@ def run_tool_seeds(out: Path, statuses: dict[int, str], *, quick: bool = False) 
 
     console = Console()
     t_start = time.perf_counter()
-    per_seed, reused = {}, []
-    for s, status in statuses.items():
-        seed_dir = out / f"seed_{s}"
-        if status == "complete":
-            console.print(f"seed {s}: complete results in {seed_dir}, reused (not run again)")
-            reused.append(s)
-        else:
-            if status == "incomplete":
-                console.print(f"seed {s}: an interrupted run in {seed_dir}, run again from the start")
-                for entry in seed_dir.iterdir():
-                    if entry.name in _TOOL_ENTRIES or entry.name.startswith("."):
-                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            _run_tool_demo(seed_dir, quick=quick, seed=s)
-        summary = json.loads((seed_dir / "summary.json").read_text())
-        per_seed[s] = {name: {k: row[k] for k in TOOL_METRICS} for name, row in summary["models"].items()}
+    summaries, reused = seed_summaries(out, statuses, lambda d, s: _run_tool_demo(d, quick=quick, seed=s),
+                                       _TOOL_ENTRIES, console)
+    per_seed = {s: {name: {k: row[k] for k in TOOL_METRICS} for name, row in summary["models"].items()}
+                for s, summary in summaries.items()}
     sizes = TOOL_QUICK if quick else TOOL_FULL
     stats = summarize_seeds(per_seed, metrics=TOOL_METRICS, order=TOOL_ORDER, also=TOOL_ALSO)
     k = stats["k"]
