@@ -61,6 +61,12 @@ from grouprl.trainer.task_metrics import check_task_metric_names
 
 FLOW_ALGORITHMS = ("flow_grpo", "flow_grpo_fast", "grpo_guard", "diffusion_nft")
 
+# algorithm.kl_coef when the config leaves it unset, per algorithm: flow_grpo's beta 0.04 (its SD3.5 OCR and
+# GenEval configs, as the notes give them) for the Flow-GRPO family; for DiffusionNFT 1e-4, NVlabs' DiffusionNFT
+# config (train.beta, the value examples/diffusion_nft_sd35m_ocr.yaml carries from their config/nft.py; not
+# re-checked against their repository here): their KL is a velocity difference, on another scale than Flow-GRPO's
+DEFAULT_KL_COEF = {"flow_grpo": 0.04, "flow_grpo_fast": 0.04, "grpo_guard": 0.04, "diffusion_nft": 1e-4}
+
 
 @dataclass
 class FlowDataConfig:
@@ -86,7 +92,8 @@ class FlowNFTConfig:
     ``d = min(max(optimizer steps - decay_flat, 0) decay_rate, decay_ceiling)`` (``nft.old_policy_decay``):
     NVlabs' decay_type 1 is flat 0, rate 0.001, ceiling 0.5 (the default here); their OCR recipe's
     decay_type 2 is flat 75, rate 0.0075, ceiling 0.999, with beta 0.1. ``algorithm.kl_coef`` weighs their
-    KL, mean((v_theta - v_ref)^2) to the velocity with the adapters off (their train.beta, 1e-4).
+    KL, mean((v_theta - v_ref)^2) to the velocity with the adapters off (their train.beta, 1e-4: the value
+    an unset kl_coef takes under diffusion_nft, ``DEFAULT_KL_COEF``).
     """
 
     beta: float = 1.0  # the step of the implicit policies (NVlabs' config.beta: 1.0; 0.1 for OCR)
@@ -103,7 +110,9 @@ class FlowAlgorithmConfig:
     # the sample std (m - 1): flow_grpo's population std gives advantages larger by sqrt(m / (m - 1))
     global_std: bool = True
     adv_clip_max: float = 5.0
-    kl_coef: float = 0.04  # beta of the KL to the reference (the policy with LoRA off); 0 = no reference pass
+    # beta of the KL to the reference (the policy with LoRA off); 0 = no reference pass; None (unset): the
+    # algorithm's own value, resolved when the config is built (DEFAULT_KL_COEF, default_kl_coef)
+    kl_coef: float | None = None
     # PPO clip range of the per-step ratio. log p averages over every latent element, so
     # ratios stay very near 1 and the range must be tiny: Flow-GRPO 1e-4, Fast 1e-5, Guard
     # 2e-6 at SD3.5-M's 65k elements; a small model needs a larger one. With kind cps a peer's
@@ -251,8 +260,23 @@ def is_flow_config(values: dict) -> bool:
     return isinstance(values, dict) and values.get("kind") == "flow"
 
 
+def default_kl_coef(algorithm: str) -> float:
+    """``algorithm.kl_coef`` for a config that leaves it unset: ``DEFAULT_KL_COEF[algorithm]`` (0.04 for
+    flow_grpo, flow_grpo_fast and grpo_guard, 1e-4 for diffusion_nft)."""
+    return DEFAULT_KL_COEF[algorithm]
+
+
+def resolve_flow_defaults(config: FlowConfig) -> FlowConfig:
+    """Fill the keys whose default depends on another key, in place: an unset ``algorithm.kl_coef`` becomes
+    ``default_kl_coef(algorithm.name)``; a value the config sets is kept. The trainer and the run directory's
+    config.yaml then see the number the run uses."""
+    if config.algorithm.kl_coef is None:
+        config.algorithm.kl_coef = default_kl_coef(config.algorithm.name)
+    return config
+
+
 def flow_config_from_dict(values: dict) -> FlowConfig:
-    config = build_config(FlowConfig, values)
+    config = resolve_flow_defaults(build_config(FlowConfig, values))
     validate_flow(config)
     return config
 

@@ -264,9 +264,10 @@ class FlowGRPOTrainer(TrainingLoop):
                  val_records: list[dict] | None = None):
         from accelerate.utils import set_seed
 
-        from grouprl.domains.diffusion.config import require_diffusers
+        from grouprl.domains.diffusion.config import require_diffusers, resolve_flow_defaults
 
         require_diffusers()
+        resolve_flow_defaults(config)  # a FlowConfig built in code, not through flow_config_from_dict
         from grouprl.domains.diffusion.models import load_flow_model
         from grouprl.domains.diffusion.rewards import ImageRewardSet
         from grouprl.trainer.policy import build_scheduler
