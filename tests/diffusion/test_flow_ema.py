@@ -112,3 +112,38 @@ def test_resuming_a_checkpoint_without_an_average_starts_it_from_the_weights(flo
         resumed.resume()
     now = trained(resumed)
     assert all(torch.equal(resumed.ema.average[k], now[k]) for k in now)
+
+
+def starting_share(updates: int, *, warmup: bool, decay: float = 0.9) -> float:
+    """The starting weights' share of the average after ``updates`` updates from step 1: prod_s ema_decay(s)
+    (each update keeps d of the average, so of the starting weights' part)."""
+    share = 1.0
+    for step in range(1, updates + 1):
+        share *= ema_decay(step, decay=decay, warmup=warmup)
+    return share
+
+
+SD35_RECIPES = ("flow_grpo_sd35m_ocr.yaml", "flow_grpo_fast_sd35m_ocr.yaml", "diffusion_nft_sd35m_ocr.yaml")
+
+
+@pytest.mark.parametrize("recipe", SD35_RECIPES)
+def test_the_sd35_recipes_warm_the_average_up(recipe):
+    """Without the warm-up cap the recipes' average (decay 0.9, one update per training step of
+    num_minibatches x ppo_epochs = 2 optimizer steps) still holds 59% / 35% / 12% of the starting weights
+    after 10 / 20 / 40 optimizer steps; with it, prod_{n=1..k} (1 + n) / (10 + n) = 10 / C(k + 10, 9):
+    0.2% after 10 optimizer steps and far less after."""
+    from math import comb
+    from pathlib import Path
+
+    from grouprl.domains.diffusion.config import load_flow_config
+
+    config = load_flow_config(Path(__file__).resolve().parents[2] / "examples" / recipe)
+    ema, actor = config.worker.actor.ema, config.worker.actor
+    assert ema.enabled and ema.warmup and ema.decay == 0.9 and ema.start_step == 0 and ema.update_interval == 1
+    per_update = actor.num_minibatches * actor.ppo_epochs
+    assert per_update == 2
+    without = [round(starting_share(steps // per_update, warmup=False), 2) for steps in (10, 20, 40)]
+    assert without == [0.59, 0.35, 0.12]
+    with_warmup = [starting_share(steps // per_update, warmup=True) for steps in (10, 20, 40)]
+    assert with_warmup == pytest.approx([10 / comb(k + 10, 9) for k in (5, 10, 20)], rel=1e-9)
+    assert with_warmup[0] < 0.0025
