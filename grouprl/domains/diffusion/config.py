@@ -140,8 +140,13 @@ class FlowEMAConfig:
     (ema = param); after it, every ``update_interval``-th step, ema = d ema + (1 - d) param with
     d = ``decay``, or with ``warmup`` d = min(decay, (1 + n) / (10 + n)), n = s - start_step
     (diffusers' EMAModel and flow_grpo cap the decay so in the first steps).
-    flow_grpo's SD3 script: decay 0.9, update_step_interval 8, the warmup cap, counted in optimizer
-    steps; here a training step is one optimizer step with ``num_minibatches: 1`` and ``ppo_epochs: 1``.
+    flow_grpo's SD3 script (scripts/train_sd3.py with flow_grpo/ema.py): decay 0.9, update_step_interval 8,
+    the warmup cap with n = the optimizer steps so far. It calls the update once per training sub-batch (after
+    that sub-batch's timesteps) with the optimizer-step count, and the update runs whenever (count + 1) is a
+    multiple of 8: every 8th optimizer step the average is updated as many times in a row as an optimizer
+    step has sub-batches (8 on their SD3 configs by an outside count; not re-checked here), then not until
+    the next. Here it is updated at most once per training step, which is one optimizer step with
+    ``num_minibatches: 1`` and ``ppo_epochs: 1``.
     """
 
     enabled: bool = False
