@@ -252,7 +252,6 @@ class MultiTurnRollout:
         self.environment_field = environment_field
         self._validation = False
         if isinstance(environments, Verifier):
-            self.verifier = environments
             # the verifier sees the reference in training only: the rollout says which it is
             factory = functools.partial(VerifierEnvironment, environments, lambda: self._validation)
             environments = EnvironmentPool({"verifier": factory})
@@ -471,32 +470,31 @@ class MultiTurnRollout:
             fn = lambda *a: asyncio.run(coroutine_fn(*a))  # noqa: E731 - its own loop in its own thread
         return start_thread(fn, list(args), {}, f"environment-{method}")
 
-    def _result(self, env: Environment, future: concurrent.futures.Future, label: str) -> Step:
+    def _outcome(self, future: concurrent.futures.Future, label: str):
+        """The call's value within ``step_timeout``; else an :class:`EnvironmentFailure` naming ``label``."""
         timeout = getattr(self.config, "step_timeout", None)
         # wait(), not result(timeout): a TimeoutError the environment raises itself is its own error
         concurrent.futures.wait([future], timeout=timeout)
         if not future.done():
-            return self._failure(env, EnvironmentFailure(f"{label}: no answer within {timeout:g} s "
-                                                         "(worker.rollout.multi_turn.step_timeout); abandoned"))
+            raise EnvironmentFailure(f"{label}: no answer within {timeout:g} s "
+                                     "(worker.rollout.multi_turn.step_timeout); abandoned")
         try:
             return future.result()
+        except EnvironmentFailure:
+            raise
+        except Exception as exc:  # the environment's own error: named, counted, never a silent stop
+            raise EnvironmentFailure(f"{label} raised {type(exc).__name__}: {exc}") from exc
+
+    def _result(self, env: Environment, future: concurrent.futures.Future, label: str) -> Step:
+        """A step's outcome; a failed one under the failure policy (:meth:`_failure`)."""
+        try:
+            return self._outcome(future, label)
         except EnvironmentFailure as exc:
             return self._failure(env, exc)
-        except Exception as exc:  # the environment's own error: named, counted, never a silent stop
-            return self._failure(env, EnvironmentFailure(f"{label} raised {type(exc).__name__}: {exc}"))
 
     def _call(self, env: Environment, method: str, args: tuple, label: str):
         """``env.method(*args)`` within ``step_timeout``; a failure is an :class:`EnvironmentFailure` naming it."""
-        future = self._start(env, method, args)
-        timeout = getattr(self.config, "step_timeout", None)
-        concurrent.futures.wait([future], timeout=timeout)
-        if not future.done():
-            raise EnvironmentFailure(f"{label}: no answer within {timeout:g} s (worker.rollout.multi_turn."
-                                     "step_timeout)")
-        try:
-            return future.result()
-        except Exception as exc:
-            raise EnvironmentFailure(f"{label} raised {type(exc).__name__}: {exc}") from exc
+        return self._outcome(self._start(env, method, args), label)
 
     # ------------------------------------------------------------------ the dialogue in token space
 
@@ -758,6 +756,7 @@ class DialogueParts:
     pool: EnvironmentPool | None
     tools: list[Tool]
     reward_parts: list[str]
+    environment_tools: list[str] = field(default_factory=list)  # the environments' tool methods, by name
 
 
 def dialogue_parts(multi_turn) -> DialogueParts:
@@ -787,6 +786,7 @@ def dialogue_parts(multi_turn) -> DialogueParts:
         return DialogueParts(None, tools, [])
     pool = EnvironmentPool(factories, field_name=multi_turn.environment_field if multi_turn.environments else None)
     own = {t.name for t in tools}
+    environment_tools: list[str] = []
     for name in factories:
         where = f"{key}.environments.{name}" if multi_turn.environments else f"{key}.environment"
         try:
@@ -801,12 +801,13 @@ def dialogue_parts(multi_turn) -> DialogueParts:
         if clash:
             raise ConfigError(f"config key '{where}': the environment's tool(s) {', '.join(clash)} have the name of "
                               f"a tool in '{key}.tools'; the policy calls tools by name")
+        environment_tools += [m for m in methods if m not in environment_tools]
     parts = pool.reward_parts()
     unknown = sorted(set(multi_turn.reward_weights) - set(parts))
     if unknown:
         raise ConfigError(f"config key '{key}.reward_weights' names {', '.join(unknown)}, not a reward part of the "
                           f"environments (their parts: {', '.join(parts) or 'none'})")
-    return DialogueParts(pool, tools, parts)
+    return DialogueParts(pool, tools, parts, environment_tools)
 
 
 def _environment_label(reference: str) -> str:

@@ -493,8 +493,7 @@ class GRPOTrainer(TrainingLoop):
             tools=parts.tools if parts else [], tool_parser=multi.tool_parser, environment_field=multi.environment_field,
             tool_limits=ToolLimits(per_turn=multi.max_tool_calls_per_turn, per_dialogue=multi.max_tool_calls,
                                    timeout=multi.tool_timeout))
-        probe = parts.pool.take(list(parts.pool.factories)) if parts and parts.pool else []
-        if (parts and parts.tools) or any(env.tools() for env in probe):
+        if parts and (parts.tools or parts.environment_tools):
             try:  # the policy's tool-call format, now rather than at the first dialogue
                 multiturn.tool_parser
             except ToolLoadError as exc:
