@@ -176,6 +176,8 @@ class FlowRolloutConfig:
     kind: str = field(default="sde", metadata=choices("sde", "cps"))
     height: int = 512
     width: int = 512
+    # frames per sample of a text-to-video model (Wan); null for an image model (the two are refused crossed)
+    num_frames: int | None = None
     sde_window_size: int = 2  # flow_grpo_fast
     sde_window_range: list[int] = field(default_factory=lambda: [0, 10])  # flow_grpo_fast: where the window may start/end
     # The last denoising step (into sigma = 0) an ODE step, never sampled with noise nor trained, as

@@ -2,10 +2,13 @@
 
 Two layouts load:
 
-* a ``StableDiffusion3Pipeline.save_pretrained`` directory (``model_index.json``):
-  loaded through ``StableDiffusion3Pipeline.from_pretrained``, and prompts are
-  encoded by the pipeline's own ``encode_prompt`` (two CLIPs, optional T5), so the
-  embeddings are exactly those the pipeline would use;
+* a diffusers pipeline directory (``model_index.json``), of one of the model families
+  in ``FLOW_FAMILIES`` (the pipeline class its ``_class_name`` names picks the family).
+  ``sd3`` is ``StableDiffusion3Pipeline``: loaded through its ``from_pretrained``, and
+  prompts are encoded by the pipeline's own ``encode_prompt`` (two CLIPs, optional
+  T5), so the embeddings are exactly those the pipeline would use. Each other family
+  is a ``FlowModel`` subclass in ``grouprl.domains.diffusion.families``, which does the
+  same through its own pipeline's components;
 * grouprl's own layout (``flow_model.json``): a transformer, a scheduler, one CLIP
   text encoder and its tokenizer, and optionally a VAE (``null`` for a model that
   works in pixel space). ``grouprl.domains.diffusion.tiny.build_tiny_pixel_flow`` writes
@@ -14,7 +17,11 @@ Two layouts load:
 
 Everything downstream (pretraining, the RL sampler, the trainer) sees a ``FlowModel``:
 the transformer predicts the velocity v = eps - x0 of the rectified flow
-x_t = (1 - t) x0 + t eps at timestep 1000 t, whatever the layout.
+x_t = (1 - t) x0 + t eps at timestep 1000 t, whatever the layout. What differs between
+families is behind five methods: ``condition`` (prompts to the family's
+``pipeline.Conditioning``, which also knows how to call the transformer),
+``schedule`` (the sigmas, with the family's resolution-dependent shift),
+``latent_shape``, ``decode`` / ``encode_images``, and ``lora_targets``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 from PIL import Image
 
 from grouprl.errors import ModelPathError
+from grouprl.registry import Registry
 
 MODEL_INDEX = "model_index.json"
 FLOW_INDEX = "flow_model.json"
@@ -69,6 +77,9 @@ class FlowModel:
     pipeline: Any | None = None
     max_sequence_length: int = 256
 
+    family = "sd3"  # the FLOW_FAMILIES name of the class
+    video = False  # a text-to-video family: latents [C, F, H, W], decode gives frames per sample
+
     # ------------------------------------------------------------ geometry
 
     @property
@@ -91,8 +102,12 @@ class FlowModel:
         """The image side (pixels) the transformer was configured for."""
         return int(self.transformer.config.sample_size) * self.vae_scale_factor
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """(channels, h, w) of the latents of a ``height`` x ``width`` image."""
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """(channels, h, w) of the latents of a ``height`` x ``width`` image (a video family: (c, f, h, w)
+        of ``frames`` frames; an image family refuses frames)."""
+        if frames is not None:
+            raise ValueError(f"FlowModel({self.path}): a {self.family} model makes images, not videos "
+                             f"(frames {frames} given)")
         multiple = self.vae_scale_factor * int(self.transformer.config.patch_size)
         if height <= 0 or width <= 0 or height % multiple or width % multiple:
             raise ValueError(f"FlowModel({self.path}): height and width must be positive multiples of "
@@ -100,7 +115,30 @@ class FlowModel:
         factor = self.vae_scale_factor
         return int(self.transformer.config.in_channels), height // factor, width // factor
 
+    def schedule(self, num_steps: int, height: int, width: int, frames: int | None = None):
+        """The ``pipeline.Schedule`` of ``num_steps`` steps for samples of this size, from a fresh copy of the
+        model's scheduler (its own keeps its state). SD3's shift is fixed, so the size does not enter."""
+        from grouprl.domains.diffusion.pipeline import schedule
+
+        return schedule(type(self.scheduler).from_config(self.scheduler.config), num_steps)
+
+    def lora_targets(self) -> list[str]:
+        """peft ``target_modules`` for ``lora.target_modules: [attention]``: ``lora_target_modules``."""
+        return lora_target_modules(self.transformer)
+
     # ------------------------------------------------------------ text
+
+    @torch.no_grad()
+    def condition(self, prompts: Sequence[str], guidance_scale: float = 1.0):
+        """``pipeline.PromptEmbeddings`` of ``prompts`` (and of the empty prompt, guidance's unconditional
+        input, when ``guidance_scale`` is not 1), on the model's device."""
+        from grouprl.domains.diffusion.pipeline import PromptEmbeddings
+
+        embeds, pooled = self.encode_prompts(prompts)
+        if guidance_scale == 1.0:
+            return PromptEmbeddings(embeds, pooled)
+        negative, negative_pooled = self.encode_prompts([""] * len(embeds))
+        return PromptEmbeddings(embeds, pooled, negative, negative_pooled)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +176,8 @@ class FlowModel:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> list[Image.Image]:
-        """RGB images of a batch of latents (through the VAE, or read as pixels in [-1, 1])."""
+        """RGB images of a batch of latents (through the VAE, or read as pixels in [-1, 1]); a video family
+        returns each sample's frames, a list of images, instead."""
         x = latents.to(self.device)
         if self.vae is not None:
             x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
@@ -184,6 +223,48 @@ def lora_target_modules(transformer: torch.nn.Module) -> list[str]:
     return found
 
 
+# ---------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class FlowFamily:
+    """A model family: the diffusers pipeline class whose directories it loads, and its loader
+    ``load(path, dtype, max_sequence_length) -> FlowModel`` (a function or a ``"module:attr"`` reference)."""
+
+    pipeline_class: str
+    load: Any
+    video: bool = False
+    description: str = ""
+
+
+def _check_family(name: str, family: Any) -> None:
+    if not isinstance(family, FlowFamily):
+        raise TypeError(f"flow model family {name!r} must be a FlowFamily, got {type(family).__name__}")
+
+
+FLOW_FAMILIES: Registry[FlowFamily] = Registry("flow model family", error=ValueError, check=_check_family)
+FLOW_FAMILIES.register("sd3", FlowFamily("StableDiffusion3Pipeline", "grouprl.domains.diffusion.models:_load_sd3",
+                                         description="Stable Diffusion 3 / 3.5"))
+
+
+def family_of_pipeline(class_name: Any) -> str:
+    """The FLOW_FAMILIES name whose pipeline class is ``class_name``; ValueError naming the class and the
+    supported pipelines otherwise."""
+    for name in FLOW_FAMILIES:
+        if FLOW_FAMILIES.get(name).pipeline_class == class_name:
+            return name
+    supported = ", ".join(f"{FLOW_FAMILIES.get(n).pipeline_class} ({n})" for n in FLOW_FAMILIES)
+    raise ValueError(f"{class_name!r} is not a supported flow model family; supported pipelines: {supported} "
+                     "(and grouprl's own flow_model.json layout)")
+
+
+def _resolve(reference: Any):
+    if callable(reference):
+        return reference
+    module, _, attr = str(reference).partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -202,9 +283,13 @@ def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     if (path / FLOW_INDEX).is_file():
         model = _load_flow_layout(path, dtype)
     elif (path / MODEL_INDEX).is_file():
-        model = _load_sd3(path, dtype, max_sequence_length)
+        try:
+            family = family_of_pipeline(_read_index(path, MODEL_INDEX).get("_class_name"))
+        except ValueError as error:
+            raise ValueError(f"load_flow_model: {path / MODEL_INDEX}: {error}") from None
+        model = _resolve(FLOW_FAMILIES.get(family).load)(path, dtype, max_sequence_length)
     else:
-        raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a StableDiffusion3Pipeline "
+        raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a diffusers pipeline "
                              f"directory) nor {FLOW_INDEX} (grouprl's layout)", str(path))
     for module in [*model.text_encoders, model.vae]:
         if module is not None:
@@ -242,16 +327,7 @@ def _check_components(path: Path, index: dict, required: Sequence[str], index_na
 def _load_sd3(path: Path, dtype: torch.dtype, max_sequence_length: int) -> FlowModel:
     from diffusers import StableDiffusion3Pipeline
 
-    index = _read_index(path, MODEL_INDEX)
-    if index.get("_class_name") != "StableDiffusion3Pipeline":
-        raise ValueError(f"load_flow_model: {path / MODEL_INDEX} describes a {index.get('_class_name')!r}; "
-                         "only StableDiffusion3Pipeline directories (and grouprl's own layout) are supported")
-    _check_components(path, index, _SD3_REQUIRED, MODEL_INDEX)
-    # diffusers loads a component saved as null only when told it is None (as SD3 is
-    # loaded without T5: ``text_encoder_3=None, tokenizer_3=None``).
-    absent = {name: None for name, entry in index.items() if not name.startswith("_") and not _present(entry)}
-    pipeline = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **absent)
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = load_pipeline(path, StableDiffusion3Pipeline, _SD3_REQUIRED, dtype)
     encoders = [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3]
     tokenizers = [pipeline.tokenizer, pipeline.tokenizer_2, pipeline.tokenizer_3]
     return FlowModel(
@@ -259,6 +335,21 @@ def _load_sd3(path: Path, dtype: torch.dtype, max_sequence_length: int) -> FlowM
         text_encoders=[e for e in encoders if e is not None], tokenizers=[t for t in tokenizers if t is not None],
         path=path, pipeline=pipeline, max_sequence_length=max_sequence_length,
     )
+
+
+def load_pipeline(path: Path, pipeline_class: type, required: Sequence[str], dtype: torch.dtype):
+    """``pipeline_class.from_pretrained(path)``, offline, after checking that ``model_index.json`` names the
+    class and lists the ``required`` components, each with its folder. A component saved as null (SD3
+    without T5, a pixel-space stand-in without a VAE) is loaded as None: diffusers loads it only when told."""
+    index = _read_index(path, MODEL_INDEX)
+    if index.get("_class_name") != pipeline_class.__name__:
+        raise ValueError(f"load_flow_model: {path / MODEL_INDEX} describes a {index.get('_class_name')!r}, "
+                         f"not a {pipeline_class.__name__}")
+    _check_components(path, index, required, MODEL_INDEX)
+    absent = {name: None for name, entry in index.items() if not name.startswith("_") and not _present(entry)}
+    pipeline = pipeline_class.from_pretrained(path, dtype=dtype, local_files_only=True, **absent)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
 
 
 def _component_class(path: Path, name: str, entry: Any) -> type:

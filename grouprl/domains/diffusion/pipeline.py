@@ -16,6 +16,7 @@ sampling weights and its mean (GRPO-Guard's RatioNorm needs the old means).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -34,13 +35,29 @@ class Schedule:
         return len(self.timesteps)
 
 
-def schedule(scheduler, num_steps: int) -> Schedule:
-    """The model's own schedule for ``num_steps`` steps (a diffusers ``FlowMatchEulerDiscreteScheduler``)."""
-    if getattr(scheduler.config, "use_dynamic_shifting", False):
-        # the shift would depend on the image size (FLUX-style mu); SD3/SD3.5 use a fixed shift
-        raise ValueError("the model's scheduler uses dynamic shifting, which the flow trainer does not support; "
-                         "use a scheduler with use_dynamic_shifting: false (SD3 / SD3.5)")
-    scheduler.set_timesteps(num_steps, device="cpu")
+def schedule(scheduler, num_steps: int, *, mu: float | None = None) -> Schedule:
+    """The model's own schedule for ``num_steps`` steps (a diffusers ``FlowMatchEulerDiscreteScheduler``).
+
+    ``mu`` is the resolution-dependent shift of a scheduler with ``use_dynamic_shifting``
+    (FLUX.1, Qwen-Image: the family computes it from the image's token count with
+    diffusers' ``calculate_shift``, as its pipeline does); such a scheduler gets the
+    pipeline's sigmas ``linspace(1, 1/N, N)``, shifted by the scheduler itself. A
+    fixed-shift scheduler (SD3, SD3.5) takes no ``mu``.
+    """
+    dynamic = bool(getattr(scheduler.config, "use_dynamic_shifting", False))
+    if dynamic and mu is None:
+        # the shift depends on the image size: the model's family computes mu (FlowModel.schedule)
+        raise ValueError("the model's scheduler uses dynamic shifting (a resolution-dependent shift): its mu must be "
+                         "given (FlowModel.schedule computes it for the families that use it)")
+    if dynamic:
+        import numpy as np
+
+        scheduler.set_timesteps(num_steps, device="cpu", mu=mu,
+                                sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist())
+    else:
+        if mu is not None:
+            raise ValueError(f"mu {mu} given for a scheduler without dynamic shifting (a fixed shift)")
+        scheduler.set_timesteps(num_steps, device="cpu")
     sigmas = scheduler.sigmas.detach().to(torch.float32).clone()
     timesteps = scheduler.timesteps.detach().to(torch.float32).clone()
     if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
@@ -49,9 +66,32 @@ def schedule(scheduler, num_steps: int) -> Schedule:
     return Schedule(sigmas=sigmas, timesteps=timesteps)
 
 
+class Conditioning(Protocol):
+    """A batch of rows' text conditioning in a model family's form, and how its transformer is called.
+
+    ``FlowModel.condition`` makes one (with the empty prompt's too when guidance needs
+    it); ``PromptEmbeddings`` is SD3's. Everything the family's transformer needs besides
+    the latents and the timestep (pooled vectors, masks, position ids, a guidance
+    embedding) lives here, so the sampler, the trainer and pretraining call any family
+    the same way: ``text.velocity(transformer, latents, timestep, guidance_scale)``.
+    Latents are in the family's unpacked latent layout (``FlowModel.latent_shape``);
+    a family that packs them into tokens packs and unpacks inside ``velocity``.
+    """
+
+    def select(self, rows) -> "Conditioning":
+        """The rows ``rows`` (an index tensor or list), repeated rows allowed."""
+
+    def to(self, device) -> "Conditioning":
+        """The same conditioning on ``device``."""
+
+    def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
+                 guidance_scale: float) -> torch.Tensor:
+        """The velocity v = eps - x0 [B, *latent] at the scheduler's ``timestep`` [B] (0..1000)."""
+
+
 @dataclass
 class PromptEmbeddings:
-    """Text conditioning for a batch of rows, with the empty prompt's for guidance."""
+    """SD3's conditioning (``Conditioning``): text tokens and the pooled vector, with the empty prompt's for guidance."""
 
     embeds: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, P]
@@ -63,30 +103,36 @@ class PromptEmbeddings:
         return PromptEmbeddings(pick(self.embeds), pick(self.pooled), pick(self.negative_embeds),
                                 pick(self.negative_pooled))
 
+    def to(self, device) -> "PromptEmbeddings":
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return PromptEmbeddings(move(self.embeds), move(self.pooled), move(self.negative_embeds),
+                                move(self.negative_pooled))
 
-def encode(model, prompts: list[str], guidance_scale: float) -> PromptEmbeddings:
-    """Encode ``prompts`` (and the empty prompt when guidance is on) with the model's text encoders."""
-    with torch.no_grad():
-        embeds, pooled = model.encode_prompts(prompts)
+    def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
+                 guidance_scale: float) -> torch.Tensor:
+        """v = v_u + w (v_c - v_u): one SD3 transformer call on 2B rows with guidance (the empty prompt's first)."""
         if guidance_scale == 1.0:
-            return PromptEmbeddings(embeds, pooled)
-        negative, negative_pooled = model.encode_prompts([""] * len(prompts))
-    return PromptEmbeddings(embeds, pooled, negative, negative_pooled)
+            return transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.embeds,
+                               pooled_projections=self.pooled, return_dict=False)[0]
+        if self.negative_embeds is None:
+            raise ValueError(f"guidance_scale {guidance_scale} needs the empty prompt's embeddings (encode with "
+                             "guidance)")
+        both = transformer(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([timestep, timestep]),
+                           encoder_hidden_states=torch.cat([self.negative_embeds, self.embeds]),
+                           pooled_projections=torch.cat([self.negative_pooled, self.pooled]), return_dict=False)[0]
+        uncond, cond = both.chunk(2)
+        return cfg_velocity(uncond, cond, guidance_scale)
 
 
-def velocity(transformer, latents: torch.Tensor, timestep: torch.Tensor, text: PromptEmbeddings,
+def encode(model, prompts: list[str], guidance_scale: float) -> Conditioning:
+    """The conditioning of ``prompts`` (and of the empty prompt when guidance is on): ``model.condition``."""
+    return model.condition(prompts, guidance_scale)
+
+
+def velocity(transformer, latents: torch.Tensor, timestep: torch.Tensor, text: Conditioning,
              guidance_scale: float) -> torch.Tensor:
-    """The guided velocity v = v_u + w (v_c - v_u) at ``timestep`` [B]; one transformer call on 2B rows with guidance."""
-    if guidance_scale == 1.0:
-        return transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text.embeds,
-                           pooled_projections=text.pooled, return_dict=False)[0]
-    if text.negative_embeds is None:
-        raise ValueError(f"guidance_scale {guidance_scale} needs the empty prompt's embeddings (encode with guidance)")
-    both = transformer(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([timestep, timestep]),
-                       encoder_hidden_states=torch.cat([text.negative_embeds, text.embeds]),
-                       pooled_projections=torch.cat([text.negative_pooled, text.pooled]), return_dict=False)[0]
-    uncond, cond = both.chunk(2)
-    return cfg_velocity(uncond, cond, guidance_scale)
+    """The guided velocity at ``timestep`` [B], as ``text``'s family calls its transformer (``Conditioning``)."""
+    return text.velocity(transformer, latents, timestep, guidance_scale)
 
 
 @dataclass
@@ -97,19 +143,19 @@ class Trajectory:
     are stacked on dim 1 in that order.
     """
 
-    final: torch.Tensor  # [B, C, H, W], the clean sample (latents, or pixels in [-1, 1])
+    final: torch.Tensor  # [B, *latent] ([C, H, W]; video [C, F, H, W]): the clean sample (latents, or pixels)
     steps: list[int]
-    latents: torch.Tensor  # [B, S, C, H, W], the sample before each stored step
-    next_latents: torch.Tensor  # [B, S, C, H, W], the sample after it
+    latents: torch.Tensor  # [B, S, *latent], the sample before each stored step
+    next_latents: torch.Tensor  # [B, S, *latent], the sample after it
     log_probs: torch.Tensor  # [B, S], under the weights that sampled
-    means: torch.Tensor  # [B, S, C, H, W]
+    means: torch.Tensor  # [B, S, *latent]
 
 
 @torch.no_grad()
-def sample(transformer, text: PromptEmbeddings, noise: torch.Tensor, sched: Schedule, *, guidance_scale: float,
+def sample(transformer, text: Conditioning, noise: torch.Tensor, sched: Schedule, *, guidance_scale: float,
            noise_level: float, kind: str = "sde", sde_steps=(), store=(), generator: torch.Generator | None = None,
            input_dtype: torch.dtype | None = None) -> Trajectory:
-    """Denoise ``noise`` [B, C, H, W] over ``sched``: SDE steps at ``sde_steps`` (else Euler ODE steps).
+    """Denoise ``noise`` [B, *latent] over ``sched``: SDE steps at ``sde_steps`` (else Euler ODE steps).
 
     The steps in ``store`` (a subset of ``sde_steps``) keep their inputs, outputs,
     log-probabilities and means. Computed in fp32; the transformer gets its input in

@@ -21,18 +21,18 @@ TIMESTEP_SAMPLING = ("logit_normal", "uniform")
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def predict_velocity(model: FlowModel, latents: torch.Tensor, sigma: torch.Tensor | float,
-                     prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor) -> torch.Tensor:
+def predict_velocity(model: FlowModel, latents: torch.Tensor, sigma: torch.Tensor | float, text,
+                     guidance_scale: float = 1.0) -> torch.Tensor:
     """The transformer's velocity (eps - x0) at noise level ``sigma`` in [0, 1] (a float or one per sample).
 
-    The transformer is conditioned on ``sigma * num_train_timesteps``, the timestep
-    scale the scheduler and the SD3 pipeline use.
+    ``text`` is the rows' conditioning (``model.condition``), which calls the family's
+    transformer; it gets the timestep ``sigma * num_train_timesteps``, the scale of the
+    scheduler's timesteps.
     """
     scale = float(model.scheduler.config.num_train_timesteps)
     sigma = torch.as_tensor(sigma, dtype=latents.dtype, device=latents.device)
     timestep = (sigma * scale).expand(latents.shape[0]) if sigma.ndim == 0 else sigma * scale
-    return model.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                             pooled_projections=pooled_prompt_embeds, return_dict=False)[0]
+    return text.velocity(model.transformer, latents, timestep, guidance_scale)
 
 
 def _sample_t(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -94,7 +94,7 @@ def pretrain_flow(
     x0_all = torch.cat([model.encode_images([image for image, _ in pairs[i:i + 256]])
                         for i in range(0, len(pairs), 256)])
     unique = list(dict.fromkeys(prompt for _, prompt in pairs))
-    embeds, pooled = model.encode_prompts(unique + [""])  # the last row is the empty prompt
+    text = model.condition(unique + [""])  # the last row is the empty prompt
     prompt_row = {prompt: i for i, prompt in enumerate(unique)}
     rows = torch.tensor([prompt_row[prompt] for _, prompt in pairs], device=device)
     empty_row = len(unique)
@@ -123,7 +123,7 @@ def pretrain_flow(
             eps = torch.randn(x0.shape, generator=generator).to(device)
             t_ = t.view(-1, *([1] * (x0.ndim - 1)))
             x_t = (1 - t_) * x0 + t_ * eps
-            v = predict_velocity(model, x_t, t, embeds[batch_rows], pooled[batch_rows])
+            v = predict_velocity(model, x_t, t, text.select(batch_rows))
             loss = torch.nn.functional.mse_loss(v.float(), (eps - x0).float())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -137,23 +137,6 @@ def pretrain_flow(
     finally:
         model.transformer.eval()
     return losses
-
-
-def _sigmas(model: FlowModel, num_steps: int, image_tokens: int, device: torch.device) -> torch.Tensor:
-    """The model's scheduler's noise levels for ``num_steps`` steps, ending at 0 (a fresh
-    scheduler, so the model's own keeps its state)."""
-    scheduler = type(model.scheduler).from_config(model.scheduler.config)
-    kwargs = {}
-    if scheduler.config.get("use_dynamic_shifting", False):
-        # Resolution-dependent shift, as the SD3 pipeline computes it.
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-        config = scheduler.config
-        kwargs["mu"] = calculate_shift(image_tokens, config.get("base_image_seq_len", 256),
-                                       config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                                       config.get("max_shift", 1.16))
-    scheduler.set_timesteps(num_steps, device=device, **kwargs)
-    return scheduler.sigmas.to(device, torch.float32)
 
 
 @torch.no_grad()
@@ -189,26 +172,17 @@ def sample_ode(
     shape = model.latent_shape(height, width)
     device = model.device
     noise = torch.randn((len(prompts), *shape), generator=generator, dtype=torch.float32)
-    tokens = (shape[1] // model.transformer.config.patch_size) * (shape[2] // model.transformer.config.patch_size)
-    sigmas = _sigmas(model, num_steps, tokens, device)
-    guided = guidance_scale != 1.0
+    sigmas = model.schedule(num_steps, height, width).sigmas.to(device)
     images: list[Image.Image] = []
     was_training = model.transformer.training
     model.transformer.eval()
     try:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
-            embeds, pooled = model.encode_prompts(chunk)
-            if guided:
-                empty_embeds, empty_pooled = model.encode_prompts([""] * len(chunk))
-                embeds, pooled = torch.cat([embeds, empty_embeds]), torch.cat([pooled, empty_pooled])
+            text = model.condition(chunk, guidance_scale)
             x = noise[start:start + len(chunk)].to(device, model.dtype)
             for i in range(num_steps):
-                latent_in = torch.cat([x, x]) if guided else x
-                v = predict_velocity(model, latent_in, sigmas[i], embeds, pooled).float()
-                if guided:
-                    v_cond, v_uncond = v.chunk(2)
-                    v = v_uncond + guidance_scale * (v_cond - v_uncond)
+                v = predict_velocity(model, x, sigmas[i], text, guidance_scale).float()
                 x = (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(model.dtype)
             images += model.decode(x)
     finally:

@@ -81,7 +81,6 @@ from grouprl.domains.diffusion.pipeline import (
     Trajectory,
     encode,
     sample,
-    schedule,
     velocity,
 )
 from grouprl.domains.diffusion.scheduler import sde_step, sde_window
@@ -287,6 +286,12 @@ class FlowGRPOTrainer(TrainingLoop):
             self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device)
         except ModelPathError as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
+        if self.model.video and rollout.num_frames is None:
+            raise ConfigError(f"config key 'worker.rollout.num_frames' is not set, and {actor.model.model_path} is a "
+                              f"text-to-video model ({self.model.family}): set the frames per video")
+        if not self.model.video and rollout.num_frames is not None:
+            raise ConfigError(f"config key 'worker.rollout.num_frames' is {rollout.num_frames}, but "
+                              f"{actor.model.model_path} is an image model ({self.model.family}): remove it")
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
         self.nft = config.algorithm.name == "diffusion_nft"
         if self.nft:
@@ -318,14 +323,12 @@ class FlowGRPOTrainer(TrainingLoop):
         # validation's pass@k: each reward's threshold, in the order of its keys
         self.val_thresholds = {key: float(spec.threshold) for key, spec in
                                zip(self.val_rewards.keys, reward.val_functions or reward.functions)}
-        self.sched = schedule(self.model.scheduler, rollout.num_steps)
+        self.sched = self.model.schedule(rollout.num_steps, rollout.height, rollout.width, rollout.num_frames)
 
     def _add_lora(self, transformer, lora):
         from peft import LoraConfig, get_peft_model
 
-        from grouprl.domains.diffusion.models import lora_target_modules
-
-        targets = lora_target_modules(transformer) if lora.target_modules in (["attention"], ["all-linear"]) \
+        targets = self.model.lora_targets() if lora.target_modules in (["attention"], ["all-linear"]) \
             else lora.target_modules
         transformer.requires_grad_(False)
         model = get_peft_model(transformer, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -499,9 +502,7 @@ class FlowGRPOTrainer(TrainingLoop):
         prompts = [r[config.data.prompt_key] for r in records for _ in range(rollout.n)]
         metadata = {k: [r.get(k) for r in records for _ in range(rollout.n)]
                     for k in sorted({k for r in records for k in r if k != config.data.prompt_key})}
-        text = encode(self.model, prompts, rollout.guidance_scale)
-        text = PromptEmbeddings(*(None if x is None else x.to(self.device) for x in
-                                  (text.embeds, text.pooled, text.negative_embeds, text.negative_pooled)))
+        text = encode(self.model, prompts, rollout.guidance_scale).to(self.device)
         # async_reward: micro-batch k is scored in a worker thread while k + 1 samples
         scorer = ThreadPoolExecutor(1, thread_name_prefix="grouprl-image-reward") \
             if config.trainer.async_mode == "async_reward" else None
@@ -562,7 +563,7 @@ class FlowGRPOTrainer(TrainingLoop):
 
     def _noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
         rollout = self.config.worker.rollout
-        shape = self.model.latent_shape(rollout.height, rollout.width)
+        shape = self.model.latent_shape(rollout.height, rollout.width, rollout.num_frames)
         return torch.randn((n, *shape), generator=generator).to(self.device)
 
     # ------------------------------------------------------------------ update
@@ -795,8 +796,7 @@ class FlowGRPOTrainer(TrainingLoop):
         positions = list(range(len(self.val_records)))[rank::world]
         records = [self.val_records[i] for i in positions]
         scale = rollout.val_guidance_scale if rollout.val_guidance_scale is not None else rollout.guidance_scale
-        sched = schedule(self.model.scheduler, rollout.val_num_steps)
-        self.sched = schedule(self.model.scheduler, rollout.num_steps)  # set_timesteps changed the scheduler's state
+        sched = self.model.schedule(rollout.val_num_steps, rollout.height, rollout.width, rollout.num_frames)
         generator = torch.Generator().manual_seed(rollout.val_seed)
         # one row per image: a prompt's k images together
         row_records = [r for r in records for _ in range(k)]
@@ -809,9 +809,7 @@ class FlowGRPOTrainer(TrainingLoop):
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             for start in range(0, len(records), config.data.val_batch_size):
                 chunk_prompts = prompts[start * k:(start + config.data.val_batch_size) * k]
-                text = encode(self.model, chunk_prompts, scale)
-                text = PromptEmbeddings(*(None if x is None else x.to(self.device) for x in
-                                          (text.embeds, text.pooled, text.negative_embeds, text.negative_pooled)))
+                text = encode(self.model, chunk_prompts, scale).to(self.device)
                 with self.precision.autocast(self.device):  # as the training rollouts
                     traj = sample(self.policy, text, self._noise(len(chunk_prompts), generator), sched,
                                   guidance_scale=scale, noise_level=0.0, input_dtype=self.precision.compute_dtype)
