@@ -21,7 +21,7 @@ TASK_METRICS.register("shapes", "grouprl.domains.diffusion.shapes:shapes_metric"
 
 TRAINER_KINDS.register("flow", TrainerKind(
     config="grouprl.domains.diffusion.config:flow_config_from_dict",
-    trainer="grouprl.domains.diffusion.trainer:FlowGRPOTrainer",
+    trainer="grouprl.domains.diffusion.trainer:flow_trainer",
     description="Flow-GRPO and its family on flow-matching image models (needs grouprl[diffusion])"))
 DEMOS.register("flow", Demo(
     run="grouprl.domains.diffusion.demo:run_flow_demo", flag="--flow",
