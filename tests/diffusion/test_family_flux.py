@@ -166,12 +166,12 @@ def test_decode_and_encode_go_through_the_vae_or_read_pixels(tiny_flux):
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "flow_grpo_fast", "grpo_guard", "diffusion_nft"])
 def test_each_algorithm_trains_and_validates_the_tiny_flux(flux_config, tmp_path, read_jsonl, algorithm):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
     extra = {"algorithm.name": algorithm}
     if algorithm == "diffusion_nft":
         extra.update({"algorithm.kl_coef": 0.0, "worker.rollout.noise_level": 0.0, "algorithm.timestep_fraction": 0.5})
-    trainer = FlowGRPOTrainer(flux_config(tmp_path / "run", **extra))
+    trainer = flow_trainer(flux_config(tmp_path / "run", **extra))
     assert isinstance(trainer.model, FluxFlowModel)
     before = lora_state(trainer)
     trainer.train()
@@ -183,12 +183,12 @@ def test_each_algorithm_trains_and_validates_the_tiny_flux(flux_config, tmp_path
 
 
 def test_a_resumed_flux_run_equals_the_straight_run(flux_config, tmp_path, read_jsonl):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    full = FlowGRPOTrainer(flux_config(tmp_path / "full"))
+    full = flow_trainer(flux_config(tmp_path / "full"))
     full.train()
-    FlowGRPOTrainer(flux_config(tmp_path / "cut", **{"trainer.max_steps": 1})).train()
-    resumed = FlowGRPOTrainer(flux_config(tmp_path / "cut", **{"trainer.resume": "auto"}))
+    flow_trainer(flux_config(tmp_path / "cut", **{"trainer.max_steps": 1})).train()
+    resumed = flow_trainer(flux_config(tmp_path / "cut", **{"trainer.resume": "auto"}))
     resumed.train()
     a, b = lora_state(full), lora_state(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -200,9 +200,9 @@ def test_a_resumed_flux_run_equals_the_straight_run(flux_config, tmp_path, read_
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async_reward"])
 def test_async_modes_train_the_tiny_flux(flux_config, tmp_path, read_jsonl, mode):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = FlowGRPOTrainer(flux_config(tmp_path / "run", **{"trainer.async_mode": mode, "trainer.val_freq": 0}))
+    trainer = flow_trainer(flux_config(tmp_path / "run", **{"trainer.async_mode": mode, "trainer.val_freq": 0}))
     before = lora_state(trainer)
     trainer.train()
     assert any(not torch.equal(before[k], v) for k, v in lora_state(trainer).items())

@@ -27,8 +27,9 @@ One training step, top to bottom (``FlowTrainer.step``; the algorithm's parts ar
    is 0 are not run through the model (their loss and gradient are 0; the normaliser
    still counts them, so the update is the one that trains them), counted as
    ``actor/zero_advantage_rows`` and ``actor/skipped_rows``;
-7. with ``worker.actor.ema``, the moving average of the trained weights, which
-   validation samples with and checkpoints hold beside the weights.
+7. with ``worker.actor.ema``, after every optimizer step of the update, the moving average
+   of the trained weights, which validation samples with and checkpoints hold beside the
+   weights.
 
 That is ``FlowGRPOTrainer`` (``algorithm.name`` flow_grpo, flow_grpo_fast, grpo_guard).
 ``DiffusionNFTTrainer`` (diffusion_nft, ``nft.py``) takes the same stages with
@@ -331,18 +332,24 @@ class FlowTrainer(TrainingLoop):
         u0 = time.perf_counter()
         mark("update")
         forward, loss = self.update_fns()
+        taken = 0
+
+        def after_optimizer_step() -> None:
+            # 7. the moving average, after every optimizer step (counted over the run, as the peers count it)
+            nonlocal taken
+            taken += 1
+            if self.ema is not None:
+                updated = self.ema.update(self.state.optimizer_steps + taken)
+                metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
+
         self.state.optimizer_steps += run_update(
             self.train_model, self.optimizer, batch, log_prob_fn=forward, loss_fn=loss,
             accelerator=self.accelerator, precision=self.precision,
             settings=UpdateSettings(num_minibatches=actor.num_minibatches, epochs=actor.ppo_epochs,
                                     micro_batch_size=actor.micro_batch_size, max_grad_norm=actor.max_grad_norm),
-            metrics=metrics)
+            metrics=metrics, on_step_end=after_optimizer_step)
         self.scheduler.step()
         self.after_update(metrics)
-        # 7. the moving average of the weights just updated
-        if self.ema is not None:
-            updated = self.ema.update(step)
-            metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
         metrics.max("timing/update_s", time.perf_counter() - u0)
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
