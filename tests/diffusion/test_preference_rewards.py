@@ -25,6 +25,18 @@ PROMPTS = ["a red square on the left", "a blue circle", "two green squares", "a 
 TOL = dict(rel=1e-4, abs=1e-5)
 
 
+def sensitive_mlp(input_size, seed):
+    """The published MLP layout with weights of unit gain (PyTorch's default init shrinks the output to nearly a
+    constant, which would hide a wrong input)."""
+    torch.manual_seed(seed)
+    mlp = pr.preference_mlp(input_size)
+    for layer in mlp.layers:
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.normal_(layer.weight, std=layer.in_features ** -0.5)
+            torch.nn.init.normal_(layer.bias, std=0.1)
+    return mlp.eval()
+
+
 def images(n=5, size=(24, 24)):
     """Distinct random RGB images (seeded), some not square to exercise the resizing."""
     g = torch.Generator().manual_seed(7)
@@ -119,8 +131,7 @@ def test_a_model_is_loaded_once_per_weights_and_device(tiny_clip, monkeypatch):
 def test_aesthetic_is_the_mlp_of_the_normalised_image_embedding(tiny_clip, tmp_path):
     from transformers import CLIPModel, CLIPProcessor
 
-    torch.manual_seed(1)
-    mlp = pr.preference_mlp(16)
+    mlp = sensitive_mlp(16, seed=1)
     head = tmp_path / "sac+logos+ava1-l14-linearMSE.pth"
     torch.save(mlp.state_dict(), head)  # the published file: a plain torch state dict
     assert sorted(mlp.state_dict()) == sorted(f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
@@ -218,16 +229,15 @@ def tiny_image_reward(tmp_path_factory):
     config = BlipConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, encoder_hidden_size=24, max_position_embeddings=64,
-                         pad_token_id=0),
+                         pad_token_id=0, initializer_range=0.5),
         vision_config=dict(hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=16, patch_size=8, layer_norm_eps=1e-6),
-        projection_dim=16, image_text_hidden_size=16)
+                           image_size=16, patch_size=8, layer_norm_eps=1e-6, initializer_range=0.5),
+        projection_dim=16, image_text_hidden_size=16)  # initializer_range 0.5: scores far apart, not near a constant
     torch.manual_seed(3)
     model = BlipForImageTextRetrieval(config).eval()
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
-    torch.manual_seed(4)
-    mlp = pr.preference_mlp(16).eval()
+    mlp = sensitive_mlp(16, seed=4)
     save_file({k: v.contiguous() for k, v in mlp.state_dict().items()}, root / pr.IMAGE_REWARD_HEAD_FILE)
     return root, model, tokenizer, mlp
 
@@ -243,17 +253,18 @@ def image_reward_pixels(image, size=16):
 def test_image_reward_is_the_normalised_mlp_of_the_cross_attended_cls_state(tiny_image_reward):
     root, model, tokenizer, mlp = tiny_image_reward
     imgs = images()
+    prompts = [*PROMPTS[:4], " ".join(PROMPTS * 3)]  # the last is longer than ImageReward's 35 tokens: truncated
     one = score_images([{"name": "image_reward", "kwargs": {"model": str(root), "batch_size": 1}}], imgs,
-                       PROMPTS).components["image_reward"]
-    four = pr.image_reward_reward(imgs, PROMPTS, model=str(root), batch_size=4)
+                       prompts).components["image_reward"]
+    four = pr.image_reward_reward(imgs, prompts, model=str(root), batch_size=4)
     assert len(one) == 5 and one == pytest.approx(four, **TOL)
-    text = tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+    text = tokenizer(prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
     with torch.no_grad():  # BLIP's image-text matching pass keeps the text encoder's states (question_embeds)
         out = model(input_ids=text["input_ids"], attention_mask=text["attention_mask"], use_itm_head=True,
                     pixel_values=torch.stack([image_reward_pixels(image) for image in imgs]))
         raw = mlp(out.question_embeds[:, 0, :]).squeeze(1)
     expected = ((raw - 0.16717362830052426) / 1.0333394966054072).tolist()
-    assert one == pytest.approx(expected, rel=1e-3, abs=1e-4)  # PIL vs torchvision resampling: last digits
+    assert one == pytest.approx(expected, **TOL)
 
 
 def test_image_reward_directory_without_the_head(tiny_image_reward, tmp_path):

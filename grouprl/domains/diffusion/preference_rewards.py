@@ -42,6 +42,9 @@ IMAGE_REWARD_HEAD_FILE = "image_reward_mlp.safetensors"
 # The hidden sizes of the LAION aesthetic predictor's MLP and of ImageReward's (the same layout:
 # Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear; no activations).
 _PREFERENCE_MLP_HIDDEN = (1024, 128, 64, 16)
+# CLIP's image normalisation (OpenAI's), which ImageReward's preprocessing uses too.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 # ---------------------------------------------------------------------------- locating weights
@@ -387,9 +390,10 @@ def image_reward_reward(
     ``BlipForImageTextRetrieval`` checkpoint (its ``vision_model`` and ``text_encoder``
     are used; BLIP ViT-L needs ``layer_norm_eps=1e-6`` in its vision config), the BERT
     tokenizer, and ``image_reward_mlp.safetensors`` (the MLP, keys ``layers.N.*``; see
-    :func:`preference_mlp`). Images are preprocessed as ImageReward's ``_transform``:
-    the shorter side resized to the vision model's image size (bicubic), centre crop,
-    CLIP's normalisation; prompts padded to 35 tokens. ImageReward scores one image per
+    :func:`preference_mlp`). Images are preprocessed by ImageReward's ``_transform``
+    (torchvision: the shorter side resized to the vision model's image size, bicubic,
+    centre crop, CLIP's normalisation), not by BLIP's image processor; prompts are padded
+    and truncated to 35 tokens. ImageReward scores one image per
     forward pass; here ``batch_size`` images at once (the same values).
     """
     _check_batch("image_reward", images, prompts, batch_size)
@@ -404,22 +408,24 @@ def image_reward_reward(
                                 f"{_needs(None)}")
 
     def load():
-        from transformers import AutoTokenizer, BlipForImageTextRetrieval, CLIPImageProcessor
-        from transformers.image_utils import PILImageResampling
+        from torchvision import transforms
+        from transformers import AutoTokenizer, BlipForImageTextRetrieval
 
         blip = BlipForImageTextRetrieval.from_pretrained(str(path), local_files_only=True, dtype="float32")
         size = blip.config.vision_config.image_size
-        processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                       resample=PILImageResampling.BICUBIC)  # CLIP's mean and std: its defaults
+        # ImageReward's own _transform (torchvision on the PIL image), not BLIP's processor (a 384 px squash).
+        preprocess = transforms.Compose([
+            transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size),
+            transforms.ToTensor(), transforms.Normalize(_CLIP_MEAN, _CLIP_STD)])
         mlp = _load_mlp(head, reward="image_reward").to(device)
-        return blip.to(device).eval(), processor, AutoTokenizer.from_pretrained(str(path), local_files_only=True), mlp
+        return blip.to(device).eval(), preprocess, AutoTokenizer.from_pretrained(str(path), local_files_only=True), mlp
 
-    blip, processor, tokenizer, mlp = cached_model(("image_reward", str(path), device), load)
+    blip, preprocess, tokenizer, mlp = cached_model(("image_reward", str(path), device), load)
     scores: list[float] = []
     with torch.no_grad():
         for rows in _chunks(len(images), batch_size):
-            pixels = processor(images=[image.convert("RGB") for image in images[rows]], return_tensors="pt")
-            image_states = blip.vision_model(pixel_values=pixels["pixel_values"].to(device)).last_hidden_state
+            pixels = torch.stack([preprocess(image.convert("RGB")) for image in images[rows]]).to(device)
+            image_states = blip.vision_model(pixel_values=pixels).last_hidden_state
             text = tokenizer(list(prompts[rows]), padding="max_length", truncation=True,
                              max_length=IMAGE_REWARD_MAX_TOKENS, return_tensors="pt")
             states = blip.text_encoder(
