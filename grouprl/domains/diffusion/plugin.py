@@ -23,6 +23,7 @@ for _name, _function in (("pickscore", "pickscore_reward"), ("hpsv2", "hpsv2_rew
                          ("image_reward", "image_reward_reward"), ("clip_score", "clip_score_reward"),
                          ("aesthetic", "aesthetic_reward")):
     register_image_reward(_name, f"grouprl.domains.diffusion.preference_rewards:{_function}")
+del _name, _function
 TASK_METRICS.register("shapes", "grouprl.domains.diffusion.shapes:shapes_metric")
 
 TRAINER_KINDS.register("flow", TrainerKind(
