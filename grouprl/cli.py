@@ -361,8 +361,13 @@ def _sft_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_export(args) -> int:
     from grouprl.models.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, base_model=args.base_model, dtype=args.dtype)
-    print(f"merged model: {out.resolve()}")
+    out = export_checkpoint(args.checkpoint, args.out, base_model=args.base_model, dtype=args.dtype, ema=args.ema)
+    if (out / "adapter_model.safetensors").exists():
+        weights = "the moving average's weights" if args.ema else "the trained weights"
+        print(f"LoRA adapter ({weights}): {out.resolve()} (load it onto the base model's transformer with "
+              "peft's PeftModel.from_pretrained)")
+    else:
+        print(f"merged model: {out.resolve()}")
     return 0
 
 
@@ -371,6 +376,8 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--base-model", help="base model of a LoRA checkpoint (default: the adapter's recorded base)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--ema", action="store_true",
+                   help="write the checkpoint's moving average (a flow run with worker.actor.ema) as the LoRA adapter")
 
 
 # ----------------------------------------------------------------------------- report

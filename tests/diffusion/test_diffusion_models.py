@@ -210,7 +210,8 @@ def test_lora_targets_exist_and_peft_wraps_them(pixel_dir):
 
     model = load_flow_model(pixel_dir)
     targets = lora_target_modules(model.transformer)
-    assert targets == ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    assert targets == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                       "attn.add_v_proj", "attn.to_add_out"]
     names = [n for n, m in model.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
     matched = [n for n in names if any(n.endswith("." + t) for t in targets)]
     # 4 blocks x 8 projections, less the last block's to_add_out (its text output is unused).
@@ -232,6 +233,23 @@ def test_lora_targets_of_a_one_block_sd3(sd3_dir):
     model = load_flow_model(sd3_dir)
     # One block is also the last: it has no to_add_out, so that name is left out.
     assert lora_target_modules(model.transformer) == [
-        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj"]
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj"]
     with pytest.raises(ValueError, match="none of the attention projections"):
         lora_target_modules(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_lora_targets_leave_sd35s_second_attention_out_as_the_peers_do(tmp_path):
+    """SD3.5's dual-attention blocks have a second, image-only attention (attn2) whose projections are named
+    to_q/k/v/out.0 too; the peers' ``attn.``-prefixed targets (flow_grpo, NVlabs' DiffusionNFT) do not wrap it."""
+    from peft import LoraConfig
+
+    model = load_flow_model(build_tiny_sd3_pipeline(tmp_path / "sd35", num_layers=2, dual_attention=True))
+    linear = [n for n, m in model.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    second = [n for n in linear if ".attn2." in n]
+    assert len(second) == 2 * 4  # both blocks dual-attention: q, k, v, out of attn2
+    model.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=model.lora_targets()))
+    wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.transformer.named_modules() if ".lora_A" in n}
+    assert not wrapped & set(second)
+    # two blocks x 8 projections, less the last block's to_add_out: 15 wrapped, 23 with attn2's 8
+    assert len(wrapped) == 15

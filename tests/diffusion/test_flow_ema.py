@@ -145,3 +145,37 @@ def test_the_sd35_recipes_warm_the_average_up(recipe):
     with_warmup = [starting_share(steps, warmup=True) for steps in (10, 20)]
     assert with_warmup == pytest.approx([10 / comb(k + 10, 9) for k in (10, 20)], rel=1e-9)
     assert with_warmup[0] < 1e-4
+
+
+def test_export_writes_the_average_or_the_trained_weights_as_the_adapter(flow_config, tiny_flow, tmp_path, capsys):
+    """`grouprl export CKPT --out DIR --ema` writes a PEFT adapter whose weights are the checkpoint's moving
+    average (loaded onto the base transformer they are the average, not the trained weights); without
+    --ema the trained weights; a checkpoint without an average names the file it lacks."""
+    from peft import PeftModel
+
+    from grouprl.cli import main
+    from grouprl.domains.diffusion.models import load_flow_model
+
+    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **EMA, **{"trainer.max_steps": 2, "trainer.val_freq": -1}))
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_2"
+    average, raw = dict(trainer.ema.average), trained(trainer)
+    assert any(not torch.equal(average[k], raw[k]) for k in raw)
+
+    def loaded(out) -> dict[str, torch.Tensor]:
+        model = PeftModel.from_pretrained(load_flow_model(tiny_flow).transformer, str(out))
+        return {k: p.detach() for k, p in model.named_parameters() if "lora_" in k}
+
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "ema"), "--ema"]) == 0
+    assert "the moving average's weights" in capsys.readouterr().out
+    got = loaded(tmp_path / "ema")
+    assert got.keys() == average.keys() and all(torch.equal(got[k], average[k]) for k in got)
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "raw")]) == 0
+    got = loaded(tmp_path / "raw")
+    assert all(torch.equal(got[k], raw[k]) for k in got)
+
+    FlowGRPOTrainer(flow_config(tmp_path / "plain", **{"trainer.max_steps": 1, "trainer.val_freq": -1})).train()
+    plain = tmp_path / "plain" / "checkpoints" / "global_step_1"
+    assert main(["export", str(plain), "--out", str(tmp_path / "none"), "--ema"]) != 0
+    assert f"holds no moving average ({plain / 'model' / EMA_FILE})" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-EMA_FILE = "ema.safetensors"
+from grouprl.models.export import EMA_FILE  # the export command reads it too
 
 
 def ema_decay(step: int, *, decay: float, start_step: int = 0, warmup: bool = False) -> float:

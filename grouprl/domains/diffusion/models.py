@@ -51,11 +51,13 @@ _FLOW_COMPONENTS = _FLOW_REQUIRED + ("vae",)
 # Libraries a flow_model.json entry may name: the file names classes to import.
 _LIBRARIES = ("diffusers", "transformers")
 
-# Attention projections of SD3's joint blocks: image-stream q/k/v/out and the text
-# stream's added q/k/v/out (the last block has no to_add_out, its text output being
-# unused). SD3.5's dual-attention blocks name their second attention's projections
-# to_q/to_k/to_v/to_out.0 as well, so these names cover them too.
-_ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# The LoRA targets of flow_grpo's and NVlabs' DiffusionNFT SD3 scripts (yifan123/flow_grpo scripts/train_sd3.py,
+# NVlabs/DiffusionNFT's trainer: ``target_modules``): the joint blocks' image-stream q/k/v/out and text-stream
+# added q/k/v/out under ``attn.`` (the last block has no to_add_out, its text output being unused). The ``attn.``
+# prefix leaves out SD3.5's second, image-only attention (``attn2``, in the dual-attention blocks), as theirs
+# does: on SD3.5-medium that is 4 of 12 LoRA'd projections fewer in each of its 13 dual-attention blocks.
+_ATTENTION_PROJECTIONS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                          "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
 
 @dataclass
@@ -209,7 +211,8 @@ class FlowModel:
 
 
 def lora_target_modules(transformer: torch.nn.Module) -> list[str]:
-    """The attention projection names (peft ``target_modules`` suffixes) present in ``transformer``.
+    """The attention projection names (peft ``target_modules`` suffixes) present in ``transformer``: the
+    peers' SD3 list (``_ATTENTION_PROJECTIONS``; SD3.5's ``attn2`` is not among them).
 
     Only names that end some ``nn.Linear`` in the module tree are returned, so a
     one-block model without ``to_add_out`` gets the seven it has. ValueError when

@@ -179,6 +179,7 @@ def build_tiny_sd3_pipeline(
     t5: bool = True,
     vae_blocks: int = 1,
     shift: float = 3.0,
+    dual_attention: bool = False,
 ) -> Path:
     """Build a randomly initialised ``StableDiffusion3Pipeline`` and ``save_pretrained`` it to ``out_dir``.
 
@@ -196,7 +197,8 @@ def build_tiny_sd3_pipeline(
     ``t5=False`` leaves T5 out (``text_encoder_3`` and ``tokenizer_3`` None), as SD3
     allows: the joint width is then the CLIPs' and the T5 tokens are zeros; diffusers
     loads such a directory with ``from_pretrained(out_dir, text_encoder_3=None,
-    tokenizer_3=None)``. ``shift`` is SD3's scheduler shift.
+    tokenizer_3=None)``. ``shift`` is SD3's scheduler shift. ``dual_attention``: every block is
+    one of SD3.5's dual-attention blocks (a second, image-only attention ``attn2``).
     """
     from diffusers import (
         AutoencoderKL,
@@ -224,6 +226,7 @@ def build_tiny_sd3_pipeline(
         caption_projection_dim=num_attention_heads * attention_head_dim,
         pooled_projection_dim=2 * text_hidden_size,
         pos_embed_max_size=sample_size // 2,
+        dual_attention_layers=tuple(range(num_layers)) if dual_attention else (),
     ))
     vae = _seeded(seed + 1, lambda: AutoencoderKL(
         in_channels=3,
