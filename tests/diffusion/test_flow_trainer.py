@@ -249,3 +249,16 @@ def test_a_flow_run_logs_reward_spread_and_its_health(flow_config, tmp_path, rea
     alarms = [a["alarm"] for a in read_jsonl(tmp_path / "run" / "alarms.jsonl")] \
         if (tmp_path / "run" / "alarms.jsonl").exists() else []
     assert ("no_reward_spread" in alarms) == any(m["frac_reward_zero_std"] > 0 for m in rows)
+
+
+def test_a_pairwise_judge_needs_whole_groups_in_each_reward_call(flow_config, tmp_path):
+    from grouprl.config import ConfigError
+
+    pairwise = [{"name": "vlm_judge", "kwargs": {"mode": "unified_reward_pairwise", "base_url": "http://judge/v1"}}]
+    with pytest.raises(ConfigError, match=r"worker.reward.functions\[0\].*micro_batch_size' \(3\) is not a multiple "
+                                          r"of 'worker.rollout.n' \(4\)"):
+        flow_config(tmp_path, **{"worker.reward.functions": pairwise, "worker.rollout.micro_batch_size": 3,
+                                 "worker.rollout.n": 4})
+    config = flow_config(tmp_path, **{"worker.reward.functions": pairwise, "worker.rollout.micro_batch_size": 8,
+                                      "worker.rollout.n": 4})
+    assert config.worker.rollout.micro_batch_size == 8

@@ -352,3 +352,12 @@ def validate_flow(config: FlowConfig) -> None:
         raise ConfigError("config key 'worker.reward.functions' is empty: name at least one image reward")
     if config.worker.reward.timeout is not None:
         _positive("worker.reward.timeout", config.worker.reward.timeout)
+    # a pairwise judge compares the images of a prompt's group, and rewards score a sampler micro-batch at
+    # a time (the rows are the prompts' n images in order): a micro-batch must hold whole groups
+    for index, spec in enumerate(config.worker.reward.functions):
+        kwargs = getattr(spec, "kwargs", None) or {}
+        if getattr(spec, "name", None) == "vlm_judge" and kwargs.get("mode") == "unified_reward_pairwise" \
+                and rollout.micro_batch_size % rollout.n:
+            raise ConfigError(f"config key 'worker.reward.functions[{index}]' judges pairs within a prompt's group, "
+                              f"but 'worker.rollout.micro_batch_size' ({rollout.micro_batch_size}) is not a multiple "
+                              f"of 'worker.rollout.n' ({rollout.n}): a group would be split between reward calls")
