@@ -22,7 +22,7 @@ from grouprl.domains.diffusion.pipeline import sample  # noqa: E402
 PROMPTS = ["a red square on the left", "two blue squares"]
 SEQ = 16  # UMT5 tokens per prompt (the pipeline's max_sequence_length)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flow_grpo_wan.yaml"
-NEEDS_WIRING = pytest.mark.xfail(strict=True, reason="the flow trainer scores decoded videos with image rewards until "
+NEEDS_WIRING = pytest.mark.xfail(strict=True, raises=TypeError, reason="the flow trainer scores decoded videos with image rewards until "
                                  "it calls video.score_videos for a video model (the lead's wiring)")
 
 
