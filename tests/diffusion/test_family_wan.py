@@ -22,8 +22,9 @@ from grouprl.domains.diffusion.pipeline import sample  # noqa: E402
 PROMPTS = ["a red square on the left", "two blue squares"]
 SEQ = 16  # UMT5 tokens per prompt (the pipeline's max_sequence_length)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flow_grpo_wan.yaml"
-NEEDS_WIRING = pytest.mark.xfail(strict=True, raises=TypeError, reason="the flow trainer scores decoded videos with image rewards until "
-                                 "it calls video.score_videos for a video model (the lead's wiring)")
+NEEDS_WIRING = pytest.mark.xfail(strict=True, raises=TypeError,
+                                 reason="the flow trainer scores decoded videos with image rewards until it calls "
+                                 "video.score_videos for a video model (the lead's wiring)")
 
 
 @pytest.fixture(scope="session")
@@ -345,7 +346,10 @@ def test_a_resumed_wan_run_equals_the_straight_one(tiny_wan, prompts, tmp_path, 
     resumed, _ = _train(tiny_wan, prompts, tmp_path / "cut", **{"trainer.resume": "auto", "trainer.val_freq": 0})
     a, b = _lora(full), _lora(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rewards = lambda out: [m["reward/mean"] for m in read_jsonl(out / "metrics.jsonl") if "reward/mean" in m]  # noqa: E731
+
+    def rewards(out):
+        return [m["reward/mean"] for m in read_jsonl(out / "metrics.jsonl") if "reward/mean" in m]
+
     assert rewards(tmp_path / "cut") == rewards(tmp_path / "full") and len(rewards(tmp_path / "full")) == 2
 
 

@@ -99,6 +99,7 @@ def score_videos(
     return RewardResult(
         components=components, total=total, weights=result.weights, errors=result.errors,
         logged_metrics=result.logged_metrics,
-        logged_columns={k: [[v[r] for r in video_rows] for video_rows in rows] for k, v in result.logged_columns.items()},
+        logged_columns={k: [[v[r] for r in video_rows] for video_rows in rows]
+                        for k, v in result.logged_columns.items()},
         parts={key: {p: per_video(v) for p, v in named.items()} for key, named in result.parts.items()},
     )
