@@ -298,12 +298,12 @@ def test_the_recipe_loads_with_flow_grpos_wan_settings():
 
 def test_the_trainer_refuses_a_video_model_without_frames(tiny_wan, prompts, tmp_path):
     from grouprl.domains.diffusion.config import flow_config_from_dict
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
     values = wan_values(tiny_wan, prompts, tmp_path, **{"worker.rollout.num_frames": None})
     values["worker"]["reward"].pop("video_frames")
     with pytest.raises(ConfigError, match="'worker.rollout.num_frames' is not set.*text-to-video model \\(wan\\)"):
-        FlowGRPOTrainer(flow_config_from_dict(values))
+        flow_trainer(flow_config_from_dict(values))
 
 
 def _lora(trainer) -> dict[str, torch.Tensor]:
@@ -312,9 +312,9 @@ def _lora(trainer) -> dict[str, torch.Tensor]:
 
 def _train(tiny_wan, prompts, out, **extra):
     from grouprl.domains.diffusion.config import flow_config_from_dict
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = FlowGRPOTrainer(flow_config_from_dict(wan_values(tiny_wan, prompts, out, **extra)))
+    trainer = flow_trainer(flow_config_from_dict(wan_values(tiny_wan, prompts, out, **extra)))
     before = _lora(trainer)
     trainer.train()
     return trainer, before

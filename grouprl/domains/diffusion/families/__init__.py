@@ -1,1 +1,1 @@
-"""Flow model families beyond SD3, one module each (registered in ``grouprl.domains.diffusion.models.FLOW_FAMILIES``)."""
+"""Flow model families beyond SD3: each a ``FlowModel`` subclass and loader, registered in ``models.FLOW_FAMILIES``."""
