@@ -64,7 +64,8 @@ GUARD_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_p
                       "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 RECIPES = sorted(EXPECTED)
 # recipes of other model families, checked with their family's tiny stand-in in that family's test file
-OTHER_FAMILIES = {"flow_grpo_flux.yaml": "tests/diffusion/test_family_flux.py"}
+OTHER_FAMILIES = {"flow_grpo_flux.yaml": "tests/diffusion/test_family_flux.py",
+                  "flow_grpo_wan.yaml": "tests/diffusion/test_family_wan.py"}
 
 
 def _get(config, dotted: str):

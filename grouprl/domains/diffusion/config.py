@@ -205,6 +205,9 @@ class FlowRewardConfig:
     val_functions: list[RewardFunctionConfig] = field(default_factory=list)
     # seconds per image reward call, None = no limit (as the language trainer's worker.reward.timeout)
     timeout: float | None = None
+    # a text-to-video model: frames of each video the image rewards score (k evenly spaced, first and last
+    # among them), their values averaged per video (domains.diffusion.video); null = every frame
+    video_frames: int | None = None
 
 
 @dataclass
@@ -361,3 +364,12 @@ def validate_flow(config: FlowConfig) -> None:
             raise ConfigError(f"config key 'worker.reward.functions[{index}]' judges pairs within a prompt's group, "
                               f"but 'worker.rollout.micro_batch_size' ({rollout.micro_batch_size}) is not a multiple "
                               f"of 'worker.rollout.n' ({rollout.n}): a group would be split between reward calls")
+    frames = config.worker.reward.video_frames
+    if frames is not None:
+        _positive("worker.reward.video_frames", frames)
+        if rollout.num_frames is None:
+            raise ConfigError(f"config key 'worker.reward.video_frames' is {frames}, but 'worker.rollout.num_frames' "
+                              "is not set (an image model): remove it")
+        if frames > rollout.num_frames:
+            raise ConfigError(f"config key 'worker.reward.video_frames' ({frames}) exceeds the frames per video "
+                              f"'worker.rollout.num_frames' ({rollout.num_frames})")

@@ -250,6 +250,8 @@ FLOW_FAMILIES.register("sd3", FlowFamily("StableDiffusion3Pipeline", "grouprl.do
                                          description="Stable Diffusion 3 / 3.5"))
 FLOW_FAMILIES.register("flux", FlowFamily("FluxPipeline", "grouprl.domains.diffusion.families.flux:load_flux",
                                           video=False, description="FLUX.1 dev / schnell (guidance embedding)"))
+FLOW_FAMILIES.register("wan", FlowFamily("WanPipeline", "grouprl.domains.diffusion.families.wan:load_wan", video=True,
+                                         description="Wan 2.1 / 2.2 text-to-video (one transformer)"))
 
 
 def family_of_pipeline(class_name: Any) -> str:
@@ -318,13 +320,19 @@ def _present(entry: Any) -> bool:
     return entry is not None and not (isinstance(entry, list) and all(e is None for e in entry))
 
 
+def _component(entry: Any) -> bool:
+    # a component's entry is [library, class]; a pipeline's own settings (WanPipeline's
+    # boundary_ratio, expand_timesteps) sit beside them as plain values
+    return isinstance(entry, list)
+
+
 def _check_components(path: Path, index: dict, required: Sequence[str], index_name: str) -> None:
     for name in required:
         if not _present(index.get(name)):
             raise FileNotFoundError(f"load_flow_model: {path / index_name} lists no {name!r} component, "
                                     f"which is required")
     for name, entry in index.items():
-        if not name.startswith("_") and _present(entry) and not (path / name).is_dir():
+        if not name.startswith("_") and _component(entry) and _present(entry) and not (path / name).is_dir():
             raise FileNotFoundError(f"load_flow_model: {path} is missing the {name!r} component "
                                     f"(no folder {path / name}, which {index_name} lists)")
 
@@ -351,7 +359,8 @@ def load_pipeline(path: Path, pipeline_class: type, required: Sequence[str], dty
         raise ValueError(f"load_flow_model: {path / MODEL_INDEX} describes a {index.get('_class_name')!r}, "
                          f"not a {pipeline_class.__name__}")
     _check_components(path, index, required, MODEL_INDEX)
-    absent = {name: None for name, entry in index.items() if not name.startswith("_") and not _present(entry)}
+    absent = {name: None for name, entry in index.items()
+              if not name.startswith("_") and _component(entry) and not _present(entry)}
     pipeline = pipeline_class.from_pretrained(path, dtype=dtype, local_files_only=True, **absent)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
