@@ -22,9 +22,6 @@ from grouprl.domains.diffusion.pipeline import sample  # noqa: E402
 PROMPTS = ["a red square on the left", "two blue squares"]
 SEQ = 16  # UMT5 tokens per prompt (the pipeline's max_sequence_length)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flow_grpo_wan.yaml"
-NEEDS_WIRING = pytest.mark.xfail(strict=True, raises=TypeError,
-                                 reason="the flow trainer scores decoded videos with image rewards until it calls "
-                                 "video.score_videos for a video model (the lead's wiring)")
 
 
 @pytest.fixture(scope="session")
@@ -328,7 +325,6 @@ ALGORITHMS = {
 }
 
 
-@NEEDS_WIRING
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_each_algorithm_trains_and_validates_on_the_tiny_wan(tiny_wan, prompts, tmp_path, read_jsonl, algorithm):
     trainer, before = _train(tiny_wan, prompts, tmp_path / "run", **ALGORITHMS[algorithm])
@@ -339,7 +335,6 @@ def test_each_algorithm_trains_and_validates_on_the_tiny_wan(tiny_wan, prompts, 
     assert (tmp_path / "run" / "val_images" / "step_000002.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@NEEDS_WIRING
 def test_a_resumed_wan_run_equals_the_straight_one(tiny_wan, prompts, tmp_path, read_jsonl):
     full, _ = _train(tiny_wan, prompts, tmp_path / "full", **{"trainer.val_freq": 0})
     _train(tiny_wan, prompts, tmp_path / "cut", **{"trainer.max_steps": 1, "trainer.val_freq": 0})
@@ -353,7 +348,6 @@ def test_a_resumed_wan_run_equals_the_straight_one(tiny_wan, prompts, tmp_path, 
     assert rewards(tmp_path / "cut") == rewards(tmp_path / "full") and len(rewards(tmp_path / "full")) == 2
 
 
-@NEEDS_WIRING
 @pytest.mark.parametrize("mode", ["one_step_off", "async_reward"])
 def test_async_modes_train_the_tiny_wan(tiny_wan, prompts, tmp_path, read_jsonl, mode):
     trainer, before = _train(tiny_wan, prompts, tmp_path / "run", **{"trainer.async_mode": mode,

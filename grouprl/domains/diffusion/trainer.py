@@ -397,7 +397,8 @@ class FlowTrainer(TrainingLoop):
                 args = (self.model.decode(traj.final), [prompts[i] for i in rows],
                         {k: [v[i] for i in rows] for k, v in metadata.items()})
                 mark("reward")
-                scored.append(scorer.submit(self.rewards.score, *args) if scorer else self.rewards.score(*args))
+                score = self._scorer(self.rewards)
+                scored.append(scorer.submit(score, *args) if scorer else score(*args))
             wait0 = time.perf_counter()
             results = [s.result() for s in scored] if scorer else scored
             metrics.max("timing/reward_wait_s", time.perf_counter() - wait0)
@@ -408,6 +409,17 @@ class FlowTrainer(TrainingLoop):
         metrics.max("timing/rollout_s", time.perf_counter() - t0)
         return FlowRollout(trajectories=trajectories, text=text, prompts=prompts, steps=store,
                            rewards=join_results(results, self.rewards.keys, self.rewards.weights))
+
+    def _scorer(self, rewards):
+        """How ``rewards`` (an image reward set) score a batch of samples: as images, or for a video model
+        frame by frame (``video.score_videos``, ``worker.reward.video_frames`` of each video)."""
+        if not self.model.video:
+            return rewards.score
+        import functools
+
+        from grouprl.domains.diffusion.video import score_videos
+
+        return functools.partial(score_videos, rewards, frames=self.config.worker.reward.video_frames)
 
     def rollout_records(self, rollout: FlowRollout, advantages: torch.Tensor) -> list[dict]:
         """rollouts.jsonl: each image's prompt, reward components, score, advantage and trained steps."""
@@ -481,7 +493,11 @@ class FlowTrainer(TrainingLoop):
                                   guidance_scale=scale, noise_level=0.0, input_dtype=self.precision.compute_dtype)
                 images.extend(self.model.decode(traj.final))
         mark("reward")
-        result = self.val_rewards.score(images, prompts, metadata)
+        result = self._scorer(self.val_rewards)(images, prompts, metadata)
+        if self.model.video:  # a video stands for itself by its middle frame in the grid and the task metrics
+            from grouprl.domains.diffusion.video import preview_frame
+
+            images = [preview_frame(video) for video in images]
         record_rewards(metrics, result, self.val_rewards.keys)
         groups = [list(range(i * k, (i + 1) * k)) for i in range(len(records))]
         prompt_sources = [None if r.get("data_source") is None else str(r["data_source"]) for r in records]
