@@ -52,6 +52,9 @@ NEGATIVE_PROMPT = " "
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
+# The last block's layers only its text-stream output reads, which the transformer discards
+# (see QwenImageFlowModel.lora_targets).
+_DISCARDED = ("add_q_proj", "to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 _REQUIRED = ("transformer", "scheduler", "text_encoder", "tokenizer")  # the VAE is null in the pixel stand-in
 # The pipeline refuses longer prompts (check_inputs).
 _MAX_SEQUENCE_LENGTH = 1024
@@ -179,14 +182,24 @@ class QwenImageFlowModel(FlowModel):
         return schedule(type(self.scheduler).from_config(config), num_steps, mu=mu)
 
     def lora_targets(self) -> list[str]:
-        """verl's Qwen-Image LoRA targets (``LORA_TARGETS``: attention projections and MLPs), those the
-        transformer has (names ending some ``nn.Linear``)."""
-        linear = [name for name, module in self.transformer.named_modules() if isinstance(module, torch.nn.Linear)]
-        found = [t for t in LORA_TARGETS if any(n == t or n.endswith("." + t) for n in linear)]
-        if not found:
+        """peft ``target_modules``: the full names of the transformer's linear layers that end in one of
+        verl's Qwen-Image targets (``LORA_TARGETS``: attention projections and MLPs), in module order, less
+        the last block's layers that only its text-stream output reads (the text queries ``add_q_proj``,
+        ``to_add_out``, ``txt_mlp``).
+
+        The transformer reads only the image stream after its last block, so those layers never get a
+        gradient (``add_q_proj`` a zero one, the others none): a LoRA there (verl wraps them) stays at
+        its initial value, B = 0, so leaving it out changes no output; and AdamW keeps no state for a
+        parameter without a gradient, which a resumed checkpoint's optimizer state would then lack.
+        """
+        last = f"transformer_blocks.{len(self.transformer.transformer_blocks) - 1}."
+        names = [name for name, module in self.transformer.named_modules() if isinstance(module, torch.nn.Linear)
+                 and any(name.endswith("." + t) for t in LORA_TARGETS)
+                 and not (name.startswith(last) and any(name.endswith("." + t) for t in _DISCARDED))]
+        if not names:
             raise ValueError(f"QwenImageFlowModel({self.path}): the transformer has none of the LoRA targets "
                              f"{LORA_TARGETS}")
-        return found
+        return names
 
     # ------------------------------------------------------------ text
 
