@@ -57,7 +57,7 @@ def slow_red(images, prompts, **metadata):
 
 def child(root: Path, name: str, args) -> dict:
     from grouprl.domains.diffusion.config import flow_config_from_dict
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
     algorithm, mode, overrides = RUNS[name]
     values = {
@@ -81,7 +81,7 @@ def child(root: Path, name: str, args) -> dict:
             node = node.setdefault(part, {})
         node[last] = value
     config = flow_config_from_dict(values)
-    trainer = FlowGRPOTrainer(config)
+    trainer = flow_trainer(config)
     times = []
     original = trainer.step
 

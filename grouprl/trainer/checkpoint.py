@@ -529,13 +529,15 @@ def resume_path(resume: str | None, root: Path, *, accelerator=None) -> Path | N
 
 
 def _write_checkpoint(tmp: Path, state: TrainerState, model, optimizer, scheduler, processor,
-                      rng_states: list[dict] | None, model_state_dict: dict | None) -> None:
+                      rng_states: list[dict] | None, model_state_dict: dict | None, extras=None) -> None:
     """Everything into tmp, durably; trainer_state.json last so that its presence means the rest is on disk."""
     tmp.mkdir()
     gathered = {"state_dict": model_state_dict} if model_state_dict is not None else {}
     model.save_pretrained(tmp / "model", safe_serialization=True, **gathered)
     if processor is not None:
         processor.save_pretrained(tmp / "model")
+    if extras is not None:  # a trainer's own files beside the weights (the flow trainer's moving average)
+        extras(tmp / "model")
     if optimizer is not None:
         state_dict = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         save_state_dict(state_dict, tmp, "optimizer")
@@ -610,13 +612,13 @@ def _install(root: Path, tmp: Path, final: Path) -> None:
 
 
 def _save_as(root: Path, name: str, state: TrainerState, model, optimizer, scheduler, processor,
-             rng_states: list[dict] | None, model_state_dict: dict | None) -> Path:
+             rng_states: list[dict] | None, model_state_dict: dict | None, extras=None) -> Path:
     """Write the checkpoint ``root/name`` atomically (see :func:`save_checkpoint`)."""
     root.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(root)
     final, tmp = root / name, root / f".{name}.tmp"
     try:
-        _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+        _write_checkpoint(tmp, state, model, optimizer, scheduler, processor, rng_states, model_state_dict, extras)
         follow_umask(tmp)  # safetensors writes 0600 files: the team could not read the checkpoint
     except (OSError, SafetensorError) as exc:  # a full disk, a quota: safetensors reports it as its own error
         _remove_tree_quietly(tmp)  # never complete (the mark is written last), so never promoted; the space back
@@ -636,19 +638,21 @@ def save_checkpoint(
     save_limit: int = -1,
     rng_states: list[dict] | None = None,
     model_state_dict: dict | None = None,
+    extras=None,
 ) -> Path:
     """Write ``root/global_step_N`` atomically and prune to ``save_limit`` checkpoints.
 
     ``optimizer`` is an optimizer or its already gathered state dict (a sharded run
     gathers it on the main process first, see ``parallel.full_state_dicts``), as is
     ``model_state_dict`` for a sharded model. ``rng_states`` holds every process's
-    ``rng_state()``, in process order (default: this process's).
+    ``rng_state()``, in process order (default: this process's). ``extras(model_dir)`` writes a
+    trainer's own files beside the weights, inside the same atomic write.
     A kill at any point leaves step N complete, as the previous save or as this one. A write that
     fails (a full disk) removes what it wrote and raises :class:`~grouprl.errors.CheckpointSaveError`
     naming the checkpoint and the reason; the checkpoints already on disk are untouched.
     """
     final = _save_as(root, f"global_step_{state.global_step}", state, model, optimizer, scheduler, processor,
-                     rng_states, model_state_dict)
+                     rng_states, model_state_dict, extras)
     write_text_atomic(root / TRACKER, str(state.global_step))
     if save_limit > 0:
         _prune(root, save_limit, keep=final)
@@ -656,11 +660,12 @@ def save_checkpoint(
 
 
 def save_best(root: Path, state: TrainerState, model, optimizer, scheduler, *, processor=None,
-              rng_states: list[dict] | None = None, model_state_dict: dict | None = None) -> Path:
+              rng_states: list[dict] | None = None, model_state_dict: dict | None = None, extras=None) -> Path:
     """Write ``root/best`` as :func:`save_checkpoint` writes a step (atomically, with its manifest), for a
     step that has no checkpoint of its own; the previous ``best/`` stays until this one is complete.
     The tracker of the latest step and pruning are left alone."""
-    return _save_as(root, BEST_DIR, state, model, optimizer, scheduler, processor, rng_states, model_state_dict)
+    return _save_as(root, BEST_DIR, state, model, optimizer, scheduler, processor, rng_states, model_state_dict,
+                    extras)
 
 
 def keep_best(root: Path, source: Path) -> Path:

@@ -35,7 +35,8 @@ finishes, the processes agree at the step boundary to stop, save that step's che
 
 Hooks: a trainer implements ``step`` (returning a :class:`StepResult`), ``rollout`` (one step's
 batch, sampled now) and ``validate``; it may override ``rollout_ahead`` and
-``prepare_rollout_ahead`` (one_step_off), ``on_resume`` and ``run_info_extras``.
+``prepare_rollout_ahead`` (one_step_off), ``save_extras`` and ``on_resume`` (its own files in a
+checkpoint, and reading them back) and ``run_info_extras``.
 
 Its step starts by taking its batch, the same three lines in every trainer::
 
@@ -227,6 +228,10 @@ class TrainingLoop(abc.ABC):
     def on_resume(self) -> None:
         """After a checkpoint is loaded: e.g. give the rollout engine the restored weights."""
 
+    def save_extras(self, model_dir: Path) -> None:
+        """On the main process, while a checkpoint is written: the trainer's own files beside the weights
+        in ``model_dir`` (the flow trainer's moving average); ``on_resume`` reads them back."""
+
     def run_info_extras(self) -> dict:
         """What run_info.json says about this trainer beyond processes, device, precision and async mode."""
         return {}
@@ -399,12 +404,13 @@ class TrainingLoop(abc.ABC):
         path = None
         if self.is_main and best:
             path = ckpt.save_best(self.config.checkpoint_dir, self.state, self.policy, optimizer_state, self.scheduler,
-                                  processor=self.processor, rng_states=rng_states, model_state_dict=model_state)
+                                  processor=self.processor, rng_states=rng_states, model_state_dict=model_state,
+                                  extras=self.save_extras)
         elif self.is_main:
             path = ckpt.save_checkpoint(self.config.checkpoint_dir, self.state, self.policy, optimizer_state,
                                         self.scheduler, processor=self.processor,
                                         save_limit=self.config.trainer.save_limit, rng_states=rng_states,
-                                        model_state_dict=model_state)
+                                        model_state_dict=model_state, extras=self.save_extras)
         self.accelerator.wait_for_everyone()
         if not best:
             self._checkpointed_step = self.state.global_step

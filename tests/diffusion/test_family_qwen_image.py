@@ -234,9 +234,9 @@ ALGORITHMS = {
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_each_algorithm_trains_and_validates_the_stand_in(qwen_config, tmp_path, read_jsonl, algorithm):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = FlowGRPOTrainer(qwen_config(tmp_path / "run", **ALGORITHMS[algorithm]))
+    trainer = flow_trainer(qwen_config(tmp_path / "run", **ALGORITHMS[algorithm]))
     assert isinstance(trainer.model, QwenImageFlowModel)
     before = lora_state(trainer)
     # the family's targets (lora.target_modules [attention] asks the model)
@@ -251,9 +251,9 @@ def test_each_algorithm_trains_and_validates_the_stand_in(qwen_config, tmp_path,
 
 
 def _run(config):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = FlowGRPOTrainer(config)
+    trainer = flow_trainer(config)
     trainer.train()
     return lora_state(trainer)
 
@@ -269,9 +269,9 @@ def test_resume_after_step_one_equals_the_straight_run(qwen_config, tmp_path, re
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async_reward"])
 def test_async_modes_train_the_stand_in(qwen_config, tmp_path, read_jsonl, mode):
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = FlowGRPOTrainer(qwen_config(tmp_path / "run", **{"trainer.async_mode": mode}))
+    trainer = flow_trainer(qwen_config(tmp_path / "run", **{"trainer.async_mode": mode}))
     before = lora_state(trainer)
     if mode == "one_step_off":
         assert trainer.sampler is not trainer.policy  # the sampler's own weights
@@ -312,7 +312,7 @@ def test_the_recipe_loads_with_verls_settings():
 def test_the_recipe_runs_a_step_on_the_stand_in(qwen_pixel_dir, prompts, tmp_path, read_jsonl):
     """The recipe's algorithm, sampler and guidance on the pixel stand-in, sizes and batches made tiny."""
     from grouprl.domains.diffusion.config import load_flow_config
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
     overrides = [f"worker.actor.model.model_path={qwen_pixel_dir}", f"data.train_files=[{prompts}/train.jsonl]",
                  f"data.val_files=[{prompts}/val.jsonl]", "data.rollout_batch_size=2", "worker.rollout.n=2",
@@ -322,6 +322,6 @@ def test_the_recipe_runs_a_step_on_the_stand_in(qwen_pixel_dir, prompts, tmp_pat
                  "worker.actor.model.dtype=float32", "trainer.max_steps=1", "trainer.device=cpu",
                  "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}",
                  "worker.reward.functions=[{name: image_brightness}]"]
-    FlowGRPOTrainer(load_flow_config(RECIPE, overrides)).train()
+    flow_trainer(load_flow_config(RECIPE, overrides)).train()
     (step,) = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "actor/pg_loss" in m]
     assert step["rollout/trained_steps"] == 2 and step["actor/grad_norm"] > 0 and "actor/kl_loss" not in step

@@ -43,14 +43,14 @@ def test_a_set_kl_coef_is_kept(tmp_path, name, value):
 
 def test_the_run_uses_and_records_the_resolved_kl_coef(flow_config, tmp_path, read_jsonl):
     pytest.importorskip("diffusers")
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import DiffusionNFTTrainer
 
     out = tmp_path / "run"
     config = flow_config(out, **{"algorithm.name": "diffusion_nft", "algorithm.kl_coef": None,
                                  "worker.rollout.noise_level": 0.0, "worker.rollout.guidance_scale": 1.0,
                                  "algorithm.timestep_fraction": 0.5, "trainer.max_steps": 1,
                                  "trainer.val_freq": -1, "trainer.save_freq": -1})
-    FlowGRPOTrainer(config).train()
+    DiffusionNFTTrainer(config).train()
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["algorithm"]["kl_coef"] == 1e-4
     # the KL term is on (kl_coef > 0): the reference pass ran and its loss was logged

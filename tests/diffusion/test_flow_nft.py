@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 
 import grouprl.domains.diffusion.trainer as flow_trainer  # noqa: E402
 from grouprl.config import ConfigError  # noqa: E402
-from grouprl.domains.diffusion.trainer import OLD_ADAPTER, FlowGRPOTrainer  # noqa: E402
+from grouprl.domains.diffusion.trainer import OLD_ADAPTER, DiffusionNFTTrainer  # noqa: E402
 
 NFT = {"algorithm.name": "diffusion_nft", "algorithm.kl_coef": 0.0, "worker.rollout.noise_level": 0.0,
        "worker.rollout.guidance_scale": 1.0, "algorithm.timestep_fraction": 0.5}
@@ -24,7 +24,7 @@ def adapter(trainer, name: str) -> dict[str, torch.Tensor]:
 
 
 def test_nft_samples_with_the_old_adapter_and_trains_the_other(flow_config, tmp_path, monkeypatch, read_jsonl):
-    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **NFT))
+    trainer = DiffusionNFTTrainer(flow_config(tmp_path / "run", **NFT))
     start_default, start_old = adapter(trainer, "default"), adapter(trainer, OLD_ADAPTER)
     assert all(torch.equal(start_default[k], start_old[k]) for k in start_default)  # the old policy starts as a copy
     active, real_sample = [], flow_trainer.sample
@@ -57,7 +57,7 @@ def test_the_trainers_loss_is_the_papers_equations(flow_config, tmp_path, kl_coe
     from grouprl.trainer.update import Normalisers
 
     beta = 0.3
-    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **{
+    trainer = DiffusionNFTTrainer(flow_config(tmp_path / "run", **{
         **NFT, "algorithm.nft.beta": beta, "algorithm.nft.adaptive_weighting": False, "algorithm.kl_coef": kl_coef}))
     with torch.no_grad():  # the two adapters apart, so that v_old is not v_theta
         for name, p in trainer.policy.named_parameters():
@@ -95,7 +95,7 @@ def test_the_trainers_loss_is_the_papers_equations(flow_config, tmp_path, kl_coe
 def test_the_old_adapter_follows_the_trained_one_with_the_configured_decay(flow_config, tmp_path, monkeypatch):
     """After each step old <- d old + (1 - d) theta, d = min(max(optimizer steps - flat, 0) rate, ceiling):
     num_minibatches 2 makes 2 optimizer steps per training step, so d = 0 (step 1, 2 - 2 = 0) then 0.2."""
-    trainer = FlowGRPOTrainer(flow_config(tmp_path / "run", **{
+    trainer = DiffusionNFTTrainer(flow_config(tmp_path / "run", **{
         **NFT, "algorithm.nft.decay_flat": 2, "algorithm.nft.decay_rate": 0.1, "algorithm.nft.decay_ceiling": 0.2,
         "trainer.val_freq": -1, "trainer.max_steps": 3}))
     seen, real = [], flow_trainer.update_old_policy
@@ -116,13 +116,13 @@ def test_the_old_adapter_follows_the_trained_one_with_the_configured_decay(flow_
 
 def test_checkpoints_hold_the_old_adapter_and_resume_continues_exactly(flow_config, tmp_path, read_jsonl):
     nft = {**NFT, "algorithm.nft.decay_rate": 0.3, "trainer.val_freq": -1, "worker.actor.ema.enabled": True}
-    full = FlowGRPOTrainer(flow_config(tmp_path / "full", **nft, **{"trainer.max_steps": 3}))
+    full = DiffusionNFTTrainer(flow_config(tmp_path / "full", **nft, **{"trainer.max_steps": 3}))
     full.train()
-    cut = FlowGRPOTrainer(flow_config(tmp_path / "cut", **nft, **{"trainer.max_steps": 1}))
+    cut = DiffusionNFTTrainer(flow_config(tmp_path / "cut", **nft, **{"trainer.max_steps": 1}))
     cut.train()
     saved = tmp_path / "cut" / "checkpoints" / "global_step_1" / "model" / OLD_ADAPTER / "adapter_model.safetensors"
     assert saved.exists()
-    resumed = FlowGRPOTrainer(flow_config(tmp_path / "cut", **nft, **{"trainer.max_steps": 3,
+    resumed = DiffusionNFTTrainer(flow_config(tmp_path / "cut", **nft, **{"trainer.max_steps": 3,
                                                                        "trainer.resume": "auto"}))
     resumed.train()
     for name in ("default", OLD_ADAPTER):

@@ -436,13 +436,18 @@ def create_app(judge: FakeJudge):
             return JSONResponse({"error": {"message": "invalid api key"}}, status_code=401)
         try:
             (message,) = body["messages"]
-            image_part, text_part = message["content"]
-            url = image_part["image_url"]["url"]
-            prefix = "data:image/png;base64,"
-            assert message["role"] == "user" and image_part["type"] == "image_url" and url.startswith(prefix)
-            image = Image.open(io.BytesIO(base64.b64decode(url[len(prefix):], validate=True)))
-            image.load()
-            record.update(format=image.format, size=image.size, text=text_part["text"])
+            *image_parts, text_part = message["content"]  # pairwise judging sends two images
+            decoded = []
+            for image_part in image_parts:
+                url = image_part["image_url"]["url"]
+                prefix = "data:image/png;base64,"
+                assert message["role"] == "user" and image_part["type"] == "image_url" and url.startswith(prefix)
+                image = Image.open(io.BytesIO(base64.b64decode(url[len(prefix):], validate=True)))
+                image.load()
+                decoded.append(image)
+            assert decoded and text_part["type"] == "text"
+            record.update(format=decoded[0].format, size=decoded[0].size, text=text_part["text"],
+                          colours=[image.convert("RGB").getpixel((0, 0)) for image in decoded])
         except Exception as exc:  # a malformed request: the test sees a 400
             return JSONResponse({"error": {"message": f"bad request: {exc!r}"}}, status_code=400)
         status = judge.fail.pop(0) if judge.fail else judge.status
@@ -593,4 +598,86 @@ def test_judge_option_errors(judge, call):
         score_images(["vlm_judge"], [solid("red")], ["a"])
     with pytest.raises(RewardError, match="'retry_backoff' is no longer supported.*Retry-After.*'max_retries'"):
         call([solid("red")], ["a"], retry_backoff=1.0)
+    assert judge.seen == []
+
+
+# ---------------------------------------------------------------------------- VLM judge: UnifiedReward's templates
+
+
+@pytest.mark.parametrize("mode, template", [("unified_reward_pointwise", "UNIFIED_REWARD_POINTWISE_PROMPT"),
+                                            ("unified_reward_flow_grpo", "UNIFIED_REWARD_FLOW_GRPO_PROMPT")])
+def test_judge_unified_reward_pointwise_templates(judge, call, mode, template):
+    judge.reply = lambda seen: "cat (object): 1\nred (attribute): 0\nFinal Score: 3"
+    assert call([solid("red"), solid("blue")], ["a red cat", "a blue dog"], mode=mode) == [pytest.approx(0.6)] * 2
+    texts = sorted(seen["text"] for seen in judge.seen)
+    assert texts == sorted(getattr(rewards, template).format(prompt=p) for p in ["a red cat", "a blue dog"])
+    assert all(t.endswith(("Text Caption: [a red cat]", "Text Caption: [a blue dog]")) for t in texts)
+    assert all(len(seen["colours"]) == 1 for seen in judge.seen)
+
+
+RANK = {(255, 0, 0): 3, (0, 128, 0): 2, (0, 0, 255): 1}  # the fake judge prefers red, then green, then blue
+
+
+def ranking_judge(seen):
+    first, second = (RANK[c] for c in seen["colours"])
+    if first == second:
+        return "Both look alike. Both images are equally good."
+    return "Image 1 is better." if first > second else "After comparing: image 2 is better."
+
+
+def test_judge_pairwise_scores_each_image_by_its_wins_in_its_group(judge, call):
+    judge.reply = ranking_judge
+    images = [solid("red"), solid("green"), solid("blue"), solid("blue"), solid("blue")]
+    prompts = ["a flag"] * 3 + ["a sea"] * 2
+    scores = call(images, prompts, mode="unified_reward_pairwise", group_size=None)
+    assert scores == [1.0, 0.5, 0.0, 0.5, 0.5]
+    # every pair of a group, in both orders: 3 * 2 + 1 * 2 requests, each with two images and the group's prompt
+    assert len(judge.seen) == 8 and all(len(seen["colours"]) == 2 for seen in judge.seen)
+    flag_orders = sorted(tuple(RANK[c] for c in seen["colours"]) for seen in judge.seen if "[a flag]" in seen["text"])
+    assert flag_orders == sorted([(3, 2), (2, 3), (3, 1), (1, 3), (2, 1), (1, 2)])
+    assert all(seen["text"] == rewards.UNIFIED_REWARD_PAIRWISE_PROMPT.format(prompt="a flag")
+               for seen in judge.seen if "[a flag]" in seen["text"])
+    # group_size groups by blocks; the same batch gives the same scores
+    judge.reset()
+    judge.reply = ranking_judge
+    assert call(images[:4], ["a flag"] * 4, mode="unified_reward_pairwise", group_size=2) == [1.0, 0.0, 0.5, 0.5]
+    assert len(judge.seen) == 4
+
+
+def test_judge_pairwise_both_orders_cancel_a_position_bias(judge, call):
+    judge.reply = lambda seen: "Image 1 is better."  # always prefers the first image shown
+    images, prompts = [solid("red"), solid("green"), solid("blue")], ["a flag"] * 3
+    assert call(images, prompts, mode="unified_reward_pairwise") == [0.5, 0.5, 0.5]
+    judge.reset()
+    judge.reply = lambda seen: "Image 1 is better."
+    # one order per pair (i before j): the bias decides
+    assert call(images, prompts, mode="unified_reward_pairwise", both_orders=False) == [1.0, 0.5, 0.0]
+    assert len(judge.seen) == 3
+
+
+def test_pairwise_verdicts_and_groups():
+    assert rewards.parse_pairwise_verdict("Image 1 is better.") == 1.0
+    assert rewards.parse_pairwise_verdict('Say "Image 1 is better." ... so BOTH IMAGES ARE EQUALLY GOOD') == 0.5
+    assert rewards.parse_pairwise_verdict("image 2 is better") == 0.0
+    assert rewards.parse_pairwise_verdict("The first one.") is None
+    assert rewards.prompt_groups(["a", "a", "b", "b", "b"]) == [[0, 1], [2, 3, 4]]
+    assert rewards.prompt_groups(["a"] * 4, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="got 3 rows, not whole groups of group_size=2"):
+        rewards.prompt_groups(["a"] * 3, 2)
+    with pytest.raises(ValueError, match="rows 0-1 of a group hold different prompts"):
+        rewards.prompt_groups(["a", "b"], 2)
+    with pytest.raises(ValueError, match="row 2 is the only image of its prompt"):
+        rewards.prompt_groups(["a", "a", "b"])
+    assert rewards.pairwise_win_rates(3, {(0, 1): 1.0, (1, 0): 0.5, (2, 1): 0.0}) == [0.75, 0.5, 0.0]
+
+
+def test_judge_pairwise_errors(judge, call):
+    judge.reply = lambda seen: "They are both nice."
+    with pytest.raises(RewardError, match=r"gave no verdict .* comparing rows 0 and 1; reply: 'They are both nice.'"):
+        call([solid("red"), solid("blue")], ["a", "a"], mode="unified_reward_pairwise", both_orders=False)
+    judge.reset()
+    with pytest.raises(RewardError, match="group_size is an option of mode 'unified_reward_pairwise'"):
+        call([solid("red")], ["a"], group_size=2)
+    with pytest.raises(RewardError, match="row 0 is the only image of its prompt"):
+        call([solid("red")], ["a"], mode="unified_reward_pairwise")
     assert judge.seen == []

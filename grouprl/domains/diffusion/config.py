@@ -136,24 +136,26 @@ class FlowEMAConfig:
     SD3 recipes: validation samples with it, and each checkpoint holds it beside the raw weights
     (``model/ema.safetensors``), from which a resumed run continues it exactly.
 
-    After training step s (counted from 1): before or at ``start_step`` the average follows the weights
-    (ema = param); after it, every ``update_interval``-th step, ema = d ema + (1 - d) param with
-    d = ``decay``, or with ``warmup`` d = min(decay, (1 + n) / (10 + n)), n = s - start_step
-    (diffusers' EMAModel and flow_grpo cap the decay so in the first steps).
-    flow_grpo's SD3 script (scripts/train_sd3.py with flow_grpo/ema.py): decay 0.9, update_step_interval 8,
-    the warmup cap with n = the optimizer steps so far. It calls the update once per training sub-batch (after
-    that sub-batch's timesteps) with the optimizer-step count, and the update runs whenever (count + 1) is a
-    multiple of 8: every 8th optimizer step the average is updated as many times in a row as an optimizer
-    step has sub-batches (8 on their SD3 configs by an outside count; not re-checked here), then not until
-    the next. Here it is updated at most once per training step, which is one optimizer step with
-    ``num_minibatches: 1`` and ``ppo_epochs: 1``.
+    After optimizer step s (counted from 1 over the run; a training step takes ``num_minibatches x
+    ppo_epochs`` of them): before or at ``start_step`` the average follows the weights (ema = param);
+    after it, every ``update_interval``-th optimizer step, ema = d ema + (1 - d) param with d = ``decay``,
+    or with ``warmup`` d = min(decay, (1 + n) / (10 + n)), n = s - start_step (diffusers' EMAModel and
+    flow_grpo cap the decay so in the first steps).
+    The peers count optimizer steps too: NVlabs' DiffusionNFT (their EMA with the warm-up cap, after each
+    optimizer step) and flow_grpo's SD3 script (scripts/train_sd3.py with flow_grpo/ema.py: decay 0.9,
+    update_step_interval 8, the warmup cap with n = the optimizer steps so far). flow_grpo calls the update
+    once per training sub-batch (after that sub-batch's timesteps) with the optimizer-step count, and the
+    update runs whenever (count + 1) is a multiple of 8: every 8th optimizer step the average is updated as
+    many times in a row as an optimizer step has sub-batches (8 on their SD3 configs by an outside count;
+    not re-checked here), then not until the next. ``update_interval: 8`` updates it once every 8th
+    optimizer step instead.
     """
 
     enabled: bool = False
     decay: float = 0.9
-    start_step: int = 0  # training steps before the average starts to lag behind the weights
-    update_interval: int = 1  # update every this many training steps after start_step
-    warmup: bool = False  # cap the decay at (1 + n) / (10 + n), n steps after start_step
+    start_step: int = 0  # optimizer steps before the average starts to lag behind the weights
+    update_interval: int = 1  # update every this many optimizer steps after start_step
+    warmup: bool = False  # cap the decay at (1 + n) / (10 + n), n optimizer steps after start_step
 
 
 @dataclass

@@ -168,11 +168,11 @@ def _train(config: dict, held_out: list[str], seed: int, *, resume: bool = False
     and training images per second. ``resume``: from the run's last checkpoint, if it has one."""
     from grouprl.cli import DEMO_RESUME_HINT
     from grouprl.domains.diffusion.config import flow_config_from_dict
-    from grouprl.domains.diffusion.trainer import FlowGRPOTrainer
+    from grouprl.domains.diffusion.trainer import flow_trainer
 
     if resume:
         config = {**config, "trainer": {**config["trainer"], "resume": "auto"}}
-    trainer = FlowGRPOTrainer(flow_config_from_dict(config))
+    trainer = flow_trainer(flow_config_from_dict(config))
     trainer.resume_hint = DEMO_RESUME_HINT
     t0 = time.perf_counter()
     trainer.train()

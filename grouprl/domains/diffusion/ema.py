@@ -25,7 +25,7 @@ EMA_FILE = "ema.safetensors"
 
 
 def ema_decay(step: int, *, decay: float, start_step: int = 0, warmup: bool = False) -> float:
-    """The decay d of the update after training step ``step`` (counted from 1).
+    """The decay d of the update after optimizer step ``step`` (counted from 1 over the run).
 
     d = 0 (the average copies the weights) for step <= ``start_step``; after it d = ``decay``, or with
     ``warmup`` d = min(decay, (1 + n) / (10 + n)), n = step - start_step (diffusers' EMAModel and
@@ -40,7 +40,7 @@ def ema_decay(step: int, *, decay: float, start_step: int = 0, warmup: bool = Fa
 
 
 def ema_due(step: int, *, start_step: int = 0, update_interval: int = 1) -> bool:
-    """Whether the average is updated after training step ``step``: every step up to ``start_step`` (it follows
+    """Whether the average is updated after optimizer step ``step``: every step up to ``start_step`` (it follows
     the weights there), then every ``update_interval``-th step after it."""
     return step <= start_step or (step - start_step) % update_interval == 0
 
@@ -70,7 +70,7 @@ class EMAWeights:
 
     ``save_pretrained(directory)`` writes ``directory/ema.safetensors``: the run loop calls it with the
     checkpoint's ``model/`` directory while the checkpoint is still being written in its hidden
-    temporary directory (it is the loop's ``processor`` hook, "saved beside the model"), so the average
+    temporary directory (the loop's ``save_extras`` hook), so the average
     is renamed into place with the rest, listed in the manifest and verified on resume.
     """
 
@@ -86,7 +86,7 @@ class EMAWeights:
                    warmup=config.warmup)
 
     def update(self, step: int) -> bool:
-        """After training step ``step``: update the average if it is due (``ema_due``); whether it was."""
+        """After optimizer step ``step``: update the average if it is due (``ema_due``); whether it was."""
         if not ema_due(step, start_step=self.start_step, update_interval=self.update_interval):
             return False
         self.last_decay = ema_decay(step, decay=self.decay, start_step=self.start_step, warmup=self.warmup)

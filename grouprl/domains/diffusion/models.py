@@ -245,6 +245,8 @@ def _check_family(name: str, family: Any) -> None:
 FLOW_FAMILIES: Registry[FlowFamily] = Registry("flow model family", error=ValueError, check=_check_family)
 FLOW_FAMILIES.register("sd3", FlowFamily("StableDiffusion3Pipeline", "grouprl.domains.diffusion.models:_load_sd3",
                                          description="Stable Diffusion 3 / 3.5"))
+FLOW_FAMILIES.register("flux", FlowFamily("FluxPipeline", "grouprl.domains.diffusion.families.flux:load_flux",
+                                          video=False, description="FLUX.1 dev / schnell (guidance embedding)"))
 FLOW_FAMILIES.register("qwen_image", FlowFamily("QwenImagePipeline", "grouprl.domains.diffusion.families.qwen_image:"
                                                 "load_qwen_image", video=False, description="Qwen-Image"))
 

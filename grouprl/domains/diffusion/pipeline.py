@@ -35,14 +35,17 @@ class Schedule:
         return len(self.timesteps)
 
 
-def schedule(scheduler, num_steps: int, *, mu: float | None = None) -> Schedule:
+def schedule(scheduler, num_steps: int, *, mu: float | None = None, sigmas=None) -> Schedule:
     """The model's own schedule for ``num_steps`` steps (a diffusers ``FlowMatchEulerDiscreteScheduler``).
 
     ``mu`` is the resolution-dependent shift of a scheduler with ``use_dynamic_shifting``
     (FLUX.1, Qwen-Image: the family computes it from the image's token count with
     diffusers' ``calculate_shift``, as its pipeline does); such a scheduler gets the
     pipeline's sigmas ``linspace(1, 1/N, N)``, shifted by the scheduler itself. A
-    fixed-shift scheduler (SD3, SD3.5) takes no ``mu``.
+    fixed-shift scheduler (SD3, SD3.5) takes no ``mu``. ``sigmas`` (N values, before the
+    shift) are the unshifted sigmas a family's pipeline passes to the scheduler where they
+    differ from the default (FLUX.1-schnell: a fixed shift, but FluxPipeline's
+    ``linspace(1, 1/N, N)`` instead of the scheduler's own spacing).
     """
     dynamic = bool(getattr(scheduler.config, "use_dynamic_shifting", False))
     if dynamic and mu is None:
@@ -52,12 +55,12 @@ def schedule(scheduler, num_steps: int, *, mu: float | None = None) -> Schedule:
     if dynamic:
         import numpy as np
 
-        scheduler.set_timesteps(num_steps, device="cpu", mu=mu,
-                                sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist())
+        scheduler.set_timesteps(num_steps, device="cpu", mu=mu, sigmas=list(sigmas) if sigmas is not None else
+                                np.linspace(1.0, 1.0 / num_steps, num_steps).tolist())
     else:
         if mu is not None:
             raise ValueError(f"mu {mu} given for a scheduler without dynamic shifting (a fixed shift)")
-        scheduler.set_timesteps(num_steps, device="cpu")
+        scheduler.set_timesteps(num_steps, device="cpu", sigmas=None if sigmas is None else list(sigmas))
     sigmas = scheduler.sigmas.detach().to(torch.float32).clone()
     timesteps = scheduler.timesteps.detach().to(torch.float32).clone()
     if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:

@@ -1,6 +1,7 @@
 """The diffusion domain's parts, registered by name (the ``diffusion`` entry point of ``grouprl.plugins``).
 
-The image rewards (``ocr``, ``vlm_judge``, ``image_brightness``, ``shapes``), the validation
+The image rewards (``ocr``, ``vlm_judge``, ``image_brightness``, ``shapes``; the preference models
+``pickscore``, ``hpsv2``, ``image_reward``, ``clip_score``, ``aesthetic``), the validation
 metric ``shapes`` (the demo's held-out comparison), the flow
 trainer as the trainer kind ``flow`` (a config file with ``kind: flow``) and the
 Flow-GRPO-Fast demo as `grouprl demo --flow`. Registered lazily: naming a part imports
@@ -17,11 +18,17 @@ register_image_reward("ocr", "grouprl.domains.diffusion.rewards:ocr_reward")
 register_image_reward("vlm_judge", "grouprl.domains.diffusion.rewards:vlm_judge_reward")
 register_image_reward("image_brightness", "grouprl.domains.diffusion.rewards:image_brightness_reward")
 register_image_reward("shapes", "grouprl.domains.diffusion.rewards:shapes_task_reward")
+# Preference models with local weights (grouprl.domains.diffusion.preference_rewards).
+for _name, _function in (("pickscore", "pickscore_reward"), ("hpsv2", "hpsv2_reward"),
+                         ("image_reward", "image_reward_reward"), ("clip_score", "clip_score_reward"),
+                         ("aesthetic", "aesthetic_reward")):
+    register_image_reward(_name, f"grouprl.domains.diffusion.preference_rewards:{_function}")
+del _name, _function
 TASK_METRICS.register("shapes", "grouprl.domains.diffusion.shapes:shapes_metric")
 
 TRAINER_KINDS.register("flow", TrainerKind(
     config="grouprl.domains.diffusion.config:flow_config_from_dict",
-    trainer="grouprl.domains.diffusion.trainer:FlowGRPOTrainer",
+    trainer="grouprl.domains.diffusion.trainer:flow_trainer",
     description="Flow-GRPO and its family on flow-matching image models (needs grouprl[diffusion])"))
 DEMOS.register("flow", Demo(
     run="grouprl.domains.diffusion.demo:run_flow_demo", flag="--flow",

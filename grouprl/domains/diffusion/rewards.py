@@ -216,7 +216,8 @@ def image_brightness_reward(images: Sequence[Any], prompts: Sequence[str], **met
 # ---------------------------------------------------------------------------- built-in: vlm_judge
 
 JUDGE_API_KEY_ENV = "GROUPRL_JUDGE_API_KEY"
-JUDGE_MODES = ("unified_reward", "ocr")
+JUDGE_MODES = ("unified_reward", "ocr", "unified_reward_pointwise", "unified_reward_flow_grpo",
+               "unified_reward_pairwise")
 
 UNIFIED_REWARD_PROMPT = (
     "You are judging an image that was generated from a caption.\n"
@@ -227,6 +228,45 @@ UNIFIED_REWARD_PROMPT = (
     "Final Score: x\n"
     "where x is a number from 1 (the image does not match the caption) to 5 (it matches perfectly)."
 )
+# UnifiedReward's published templates, verbatim (CodeGoat24/UnifiedReward,
+# inference_qwen/image_generation/qwen_point_score_image_generation.py and qwen_pair_rank_image_generation.py;
+# the same text in its benchmark scripts, benchmark_evaluation/Qwen_evaluation/test_qwen_genAI_bench_image.py).
+UNIFIED_REWARD_POINTWISE_PROMPT = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this "
+    "image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the "
+    "provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as described "
+    "in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\nExtract key elements from the provided text "
+    "caption, evaluate their presence in the generated image using the format: 'element (type): value' (where "
+    "value=0 means not generated, and value=1 means generated), and assign a score from 1 to 5 after "
+    "'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+UNIFIED_REWARD_PAIRWISE_PROMPT = (
+    "You are given a text caption and two generated images based on that caption. Your task is to evaluate and "
+    "compare these images based on two key criteria:\n1. Alignment with the Caption: Assess how well each image "
+    "aligns with the provided caption. Consider the accuracy of depicted objects, their relationships, and "
+    "attributes as described in the caption.\n2. Overall Image Quality: Examine the visual quality of each image, "
+    "including clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nCompare both images "
+    "using the above criteria and select the one that better aligns with the caption while exhibiting superior "
+    "visual quality.\nProvide a clear conclusion such as \"Image 1 is better.\", \"Image 2 is better.\" and "
+    "\"Both images are equally good.\"\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+# The template Flow-GRPO trains with against UnifiedReward-7b-v1.5 (flow_grpo/rewards.py,
+# unifiedreward_score_sglang), verbatim, its LLaVA "<image>" placeholder included.
+UNIFIED_REWARD_FLOW_GRPO_PROMPT = (
+    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
+    "this image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with "
+    "the provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as "
+    "described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including "
+    "clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, "
+    "assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+_POINTWISE_PROMPTS = {"unified_reward": UNIFIED_REWARD_PROMPT, "unified_reward_pointwise": UNIFIED_REWARD_POINTWISE_PROMPT,
+                      "unified_reward_flow_grpo": UNIFIED_REWARD_FLOW_GRPO_PROMPT}
+# The conclusions the pairwise template asks for, as the share of the comparison image 1 wins.
+PAIRWISE_VERDICTS = {"image 1 is better": 1.0, "image 2 is better": 0.0, "both images are equally good": 0.5}
+_PAIRWISE_VERDICT = re.compile("|".join(re.escape(v) for v in PAIRWISE_VERDICTS), re.IGNORECASE)
+
 OCR_PROMPT = (
     "Read all the text written in this image. Reply with that text exactly as written and nothing "
     "else. If the image holds no text, reply with an empty message."
@@ -272,6 +312,61 @@ def unified_reward_score(reply: str, *, row: int, url: str) -> float:
     return x / 5.0
 
 
+def parse_pairwise_verdict(reply: str) -> float | None:
+    """Image 1's share of a pairwise comparison: 1 for "Image 1 is better", 0 for "Image 2 is better", 0.5 for
+    "Both images are equally good" (case-insensitive; the last one in the reply wins, as an earlier one may be
+    the model quoting the instruction); None when the reply holds none.
+
+    UnifiedReward's benchmark scripts test ``"Image 1 is better" in reply`` (and the other two) the same way.
+    """
+    matches = _PAIRWISE_VERDICT.findall(reply or "")
+    return PAIRWISE_VERDICTS[matches[-1].lower()] if matches else None
+
+
+def prompt_groups(prompts: Sequence[str], group_size: int | None = None) -> list[list[int]]:
+    """The rows of each group of a batch: consecutive blocks of ``group_size`` rows, or, when None, the maximal
+    runs of consecutive rows with the same prompt (a trainer puts a prompt's n samples next to each other).
+
+    Raises ValueError when the batch is not whole groups of ``group_size``, when a group's rows do not share
+    one prompt, or when a group has a single row (nothing to compare it with).
+    """
+    n = len(prompts)
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(f"vlm_judge: group_size must be an integer >= 2, got {group_size!r}")
+        if n % group_size:
+            raise ValueError(f"vlm_judge: pairwise judging got {n} rows, not whole groups of group_size={group_size} "
+                             "(score whole groups: a micro-batch size that is a multiple of the group size)")
+        groups = [list(range(start, start + group_size)) for start in range(0, n, group_size)]
+    else:
+        groups = []
+        for row in range(n):
+            if groups and prompts[groups[-1][-1]] == prompts[row]:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+    for group in groups:
+        if len({prompts[row] for row in group}) > 1:
+            raise ValueError(f"vlm_judge: rows {group[0]}-{group[-1]} of a group hold different prompts")
+        if len(group) < 2:
+            raise ValueError(f"vlm_judge: row {group[0]} is the only image of its prompt in the batch: pairwise "
+                             "judging needs at least 2 images per prompt")
+    return groups
+
+
+def pairwise_win_rates(n: int, verdicts: Mapping[tuple[int, int], float]) -> list[float | None]:
+    """Each row's mean share over its comparisons: sum of s over the pairs it took part in / their number, where
+    ``verdicts[(i, j)]`` is the share image i won against j (1, 0.5 or 0) and j's share is 1 - s. None for a
+    row in no comparison."""
+    won, played = [0.0] * n, [0] * n
+    for (first, second), share in verdicts.items():
+        won[first] += share
+        won[second] += 1.0 - share
+        played[first] += 1
+        played[second] += 1
+    return [won[row] / played[row] if played[row] else None for row in range(n)]
+
+
 def image_data_url(image: Any) -> str:
     """``data:image/png;base64,...`` of the image encoded as PNG (lossless: the judge sees the pixels scored)."""
     buffer = io.BytesIO()
@@ -279,10 +374,11 @@ def image_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def judge_messages(data_url: str, text: str) -> list[dict[str, Any]]:
-    """One user message holding the image (as a data URL) and then the instruction."""
+def judge_messages(data_url: str | Sequence[str], text: str) -> list[dict[str, Any]]:
+    """One user message holding the image(s) (as data URLs, in order) and then the instruction."""
+    urls = [data_url] if isinstance(data_url, str) else list(data_url)
     return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url}},
+        *({"type": "image_url", "image_url": {"url": url}} for url in urls),
         {"type": "text", "text": text},
     ]}]
 
@@ -291,14 +387,31 @@ async def vlm_judge_reward(
     images: Sequence[Any], prompts: Sequence[str], *, base_url: str | None = None, model: str = "",
     mode: str = "unified_reward", api_key: str | None = None, text: Sequence[str | None] | None = None,
     timeout: float = 60.0, max_retries: int = 3, retry_backoff: float | None = None, concurrency: int = 8,
-    max_tokens: int = 1024, temperature: float = 0.0, **metadata: Any,
+    max_tokens: int = 1024, temperature: float = 0.0, group_size: int | None = None, both_orders: bool = True,
+    **metadata: Any,
 ) -> list[float | None]:
     """A VLM judge behind an OpenAI-compatible ``POST {base_url}/chat/completions`` (vLLM, SGLang, a hosted API).
 
     Each image goes as a PNG data URL in one user message with the instruction of ``mode``:
 
-    - ``unified_reward``: rate how well the image matches its prompt, ending with
-      ``Final Score: x`` (1-5); reward x / 5 (:func:`unified_reward_score`);
+    - ``unified_reward``: grouprl's own instruction: rate how well the image matches its
+      prompt, ending with ``Final Score: x`` (1-5); reward x / 5 (:func:`unified_reward_score`);
+    - ``unified_reward_pointwise``: UnifiedReward's published point-score template
+      (:data:`UNIFIED_REWARD_POINTWISE_PROMPT`), scored the same way (x / 5);
+    - ``unified_reward_flow_grpo``: the template Flow-GRPO trains with
+      (:data:`UNIFIED_REWARD_FLOW_GRPO_PROMPT`), x / 5; Flow-GRPO reads the first
+      ``Final Score:`` and scores a reply without one 0, here the last one counts and a
+      reply without one raises;
+    - ``unified_reward_pairwise``: UnifiedReward's published pair-rank template
+      (:data:`UNIFIED_REWARD_PAIRWISE_PROMPT`) on two images of the same prompt, first
+      then second; the reply's conclusion (:func:`parse_pairwise_verdict`) gives image 1
+      the share 1 (better), 0.5 (equally good) or 0. Within each group
+      (:func:`prompt_groups`: blocks of ``group_size`` rows, or else the runs of
+      consecutive rows with one prompt) every pair is judged, in both orders when
+      ``both_orders`` (cancelling the judge's position bias; k(k-1) requests for a group
+      of k, else k(k-1)/2); a row's reward is its mean share over its comparisons
+      (:func:`pairwise_win_rates`), in [0, 1]. A batch holding a single image of a prompt
+      raises: there is nothing to compare it with;
     - ``ocr``: read the text in the image; reward :func:`ocr_score` of the reply against
       the target (:func:`ocr_targets`: the ``text`` column or the prompt's quoted text;
       a row without one gets None and is not sent).
@@ -325,21 +438,29 @@ async def vlm_judge_reward(
         raise ValueError(f"vlm_judge: concurrency must be a positive integer, got {concurrency!r}")
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(f"vlm_judge: max_retries must be a non-negative integer, got {max_retries!r}")
+    if group_size is not None and mode != "unified_reward_pairwise":
+        raise ValueError(f"vlm_judge: group_size is an option of mode 'unified_reward_pairwise', not of {mode!r}")
+    groups = prompt_groups(prompts, group_size) if mode == "unified_reward_pairwise" else []
     key = api_key if api_key is not None else os.environ.get(JUDGE_API_KEY_ENV) or None
     endpoint = ChatEndpoint(base_url, api_key=key, timeout=timeout, max_retries=max_retries, connections=concurrency,
                             extra="judge", user="the 'vlm_judge' image reward")
     url = endpoint.url
     targets = ocr_targets(prompts, text) if mode == "ocr" else [None] * len(images)
     limit = asyncio.Semaphore(concurrency)
+    data_urls: dict[int, asyncio.Future] = {}
 
-    async def one(row: int) -> float | None:
-        if mode == "ocr" and targets[row] is None:
-            return None
-        instruction = OCR_PROMPT if mode == "ocr" else UNIFIED_REWARD_PROMPT.format(prompt=prompts[row])
-        async with limit:
+    async def data_url(row: int) -> str:
+        # Once per image: pairwise judging shows each image in many requests.
+        if row not in data_urls:
             # PNG encoding takes milliseconds per image: off the loop, so requests keep flowing.
-            data_url = await asyncio.to_thread(image_data_url, images[row])
-            body = {"model": model, "messages": judge_messages(data_url, instruction),
+            data_urls[row] = asyncio.ensure_future(asyncio.to_thread(image_data_url, images[row]))
+        return await data_urls[row]
+
+    async def ask(row: int, rows: Sequence[int], instruction: str) -> str:
+        """The judge's reply to the images of ``rows`` and ``instruction``; errors name ``row``."""
+        async with limit:
+            urls = [await data_url(r) for r in rows]
+            body = {"model": model, "messages": judge_messages(urls, instruction),
                     "max_tokens": max_tokens, "temperature": temperature}
             try:
                 reply = await endpoint.acomplete(body)
@@ -352,20 +473,45 @@ async def vlm_judge_reward(
                         f"(last status {exc.status if exc.status is not None else 'none'})")
                 raise JudgeError(f"VLM judge {url} {what}: {exc}", url=url, row=row, attempts=exc.attempts,
                                  status=exc.status) from None
-        if mode == "ocr":
-            return ocr_score(reply.text, targets[row])
-        return unified_reward_score(reply.text, row=row, url=url)
+        return reply.text
 
+    async def one(row: int) -> float | None:
+        if mode == "ocr":
+            if targets[row] is None:
+                return None
+            return ocr_score(await ask(row, [row], OCR_PROMPT), targets[row])
+        reply = await ask(row, [row], _POINTWISE_PROMPTS[mode].format(prompt=prompts[row]))
+        return unified_reward_score(reply, row=row, url=url)
+
+    async def compare(first: int, second: int) -> float:
+        reply = await ask(first, [first, second], UNIFIED_REWARD_PAIRWISE_PROMPT.format(prompt=prompts[first]))
+        share = parse_pairwise_verdict(reply)
+        if share is None:
+            raise JudgeError(f"VLM judge {url} gave no verdict ('Image 1 is better.', 'Image 2 is better.' or "
+                             f"'Both images are equally good.') comparing rows {first} and {second}; reply: "
+                             f"{excerpt(reply)}", url=url, row=first)
+        return share
+
+    pairs = [(i, j) for group in groups for a, i in enumerate(group) for j in group[a + 1:]]
+    if both_orders:
+        pairs += [(j, i) for i, j in pairs]
     try:
-        tasks = [asyncio.ensure_future(one(row)) for row in range(len(images))]
+        if mode == "unified_reward_pairwise":
+            tasks = [asyncio.ensure_future(compare(i, j)) for i, j in pairs]
+        else:
+            tasks = [asyncio.ensure_future(one(row)) for row in range(len(images))]
         try:
-            return list(await asyncio.gather(*tasks))
+            outcomes = list(await asyncio.gather(*tasks))
         except BaseException:
             # The first failure decides the batch: stop the other requests' retries too.
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        if mode != "unified_reward_pairwise":
+            return outcomes
+        # (i, j) and (j, i) are two comparisons: each counts once for both images.
+        return pairwise_win_rates(len(images), dict(zip(pairs, outcomes)))
     finally:
         await endpoint.aclose()
 

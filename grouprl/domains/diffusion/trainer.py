@@ -1,6 +1,6 @@
 """Flow-GRPO, Flow-GRPO-Fast, GRPO-Guard and DiffusionNFT: group-relative RL for flow-matching image models.
 
-One training step, top to bottom (``FlowGRPOTrainer.step``):
+One training step, top to bottom (``FlowTrainer.step``; the algorithm's parts are its subclasses' hooks):
 
 1. take ``data.rollout_batch_size`` prompts, each repeated ``worker.rollout.n`` times;
 2. sample images with the current weights, a micro-batch at a time
@@ -27,13 +27,15 @@ One training step, top to bottom (``FlowGRPOTrainer.step``):
    is 0 are not run through the model (their loss and gradient are 0; the normaliser
    still counts them, so the update is the one that trains them), counted as
    ``actor/zero_advantage_rows`` and ``actor/skipped_rows``;
-7. with ``worker.actor.ema``, the moving average of the trained weights, which
-   validation samples with and checkpoints hold beside the weights.
+7. with ``worker.actor.ema``, after every optimizer step of the update, the moving average
+   of the trained weights, which validation samples with and checkpoints hold beside the
+   weights.
 
-DiffusionNFT (``algorithm.name: diffusion_nft``, ``nft.py``) takes the same stages with
+That is ``FlowGRPOTrainer`` (``algorithm.name`` flow_grpo, flow_grpo_fast, grpo_guard).
+``DiffusionNFTTrainer`` (diffusion_nft, ``nft.py``) takes the same stages with
 other rows: its "old" LoRA adapter samples (step 2: the ODE, or SDE steps, none stored);
 each image's clean sample is noised afresh at ``int(num_steps * timestep_fraction)`` of
-the schedule's times (``nft_rows``: rows are (image, time) pairs); step 5 computes the
+the schedule's times (``batches.nft_rows``: rows are (image, time) pairs); step 5 computes the
 old adapter's velocity (and with a KL term the adapters-off one) at each row; the update
 trains the other adapter's velocity with ``nft.nft_loss``; after it the old adapter
 moves towards the trained one (``nft.update_old_policy``). Checkpoints hold both adapters.
@@ -47,11 +49,11 @@ trainer's: ``trainer.loop.TrainingLoop``; reward metrics are written by
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,17 +77,10 @@ from grouprl.domains.diffusion.objectives import (
     guard_reweight,
     ratio_outside_clip,
 )
-from grouprl.domains.diffusion.pipeline import (
-    PromptEmbeddings,
-    Schedule,
-    Trajectory,
-    encode,
-    sample,
-    velocity,
-)
+from grouprl.domains.diffusion.batches import FlowBatch, FlowRollout, NFTBatch, nft_rows, rows_of
+from grouprl.domains.diffusion.pipeline import encode, sample, velocity
 from grouprl.domains.diffusion.scheduler import sde_step, sde_window
 from grouprl.files import RecordsError, read_json_records
-from grouprl.rewards import RewardResult
 from grouprl.trainer.loop import StepResult, TrainingLoop, check_output_dirs
 from grouprl.trainer.metrics import StepMetrics
 from grouprl.trainer.parallel import batch_moments, make_accelerator, mark
@@ -125,56 +120,6 @@ def load_prompts(files: list[str], prompt_key: str, max_samples: int | None = No
     return records
 
 
-# ---------------------------------------------------------------------------- the batch of trained steps
-
-
-@dataclass
-class FlowBatch:
-    """Rows are (image, trained step) pairs: what ``run_update`` cuts into micro-batches.
-
-    Text conditioning is held once per image (``text``) and indexed by ``image``, since
-    an SD3 prompt embedding is far larger than a latent.
-    """
-
-    image: torch.Tensor  # [R] index into text / advantages of images
-    latents: torch.Tensor  # [R, C, H, W], the sample before the step
-    next_latents: torch.Tensor  # [R, C, H, W], the sample after it (re-scored)
-    old_log_prob: torch.Tensor  # [R]
-    old_mean: torch.Tensor  # [R, C, H, W]
-    sigma: torch.Tensor  # [R]
-    sigma_next: torch.Tensor  # [R]
-    timestep: torch.Tensor  # [R], the transformer's timestep
-    advantages: torch.Tensor  # [R]
-    text: PromptEmbeddings  # per image
-    ref_mean: torch.Tensor | None = None  # [R, C, H, W], the reference's means (KL)
-
-    def __len__(self) -> int:
-        return len(self.image)
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        # one "token" per row: run_update's normalisers then count rows
-        return torch.ones(len(self), 1)
-
-    def select(self, rows) -> "FlowBatch":
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        pick = {name: getattr(self, name)[rows] for name in
-                ("image", "latents", "next_latents", "old_log_prob", "old_mean", "sigma", "sigma_next", "timestep",
-                 "advantages")}
-        return FlowBatch(**pick, text=self.text, ref_mean=None if self.ref_mean is None else self.ref_mean[rows])
-
-
-@dataclass
-class FlowRollout:
-    """One step's sampled and scored images, n per prompt, rows in prompt order."""
-
-    trajectories: list[Trajectory]  # one per sampler micro-batch: the stored steps' inputs, outputs, log-probs, means
-    text: PromptEmbeddings  # per image
-    rewards: RewardResult  # per image, over every micro-batch
-    prompts: list[str]  # per image
-    steps: list[int]  # the stored (trained) steps, the same for every image
-
-
 def zero_std_fraction(total: list[float], n: int) -> float:
     """``frac_reward_zero_std`` of one process's images, as the language trainer logs it: the share of
     images whose group (the n consecutive images of a prompt) has rewards all equal, std_g = 0,
@@ -187,77 +132,16 @@ def zero_std_fraction(total: list[float], n: int) -> float:
     return float((reward_std_per_group(scores, torch.arange(len(total)) // n) == 0).double().mean())
 
 
-def rows_of(trajectories: list[Trajectory], sched: Schedule, advantages: torch.Tensor,
-            text: PromptEmbeddings) -> FlowBatch:
-    """Flatten the trajectories' stored steps into rows; every step of an image gets the image's advantage."""
-    latents, nxt, logp, means, image, steps = [], [], [], [], [], []
-    offset = 0
-    for traj in trajectories:
-        b, s = traj.log_probs.shape
-        latents.append(traj.latents.reshape(b * s, *traj.latents.shape[2:]))
-        nxt.append(traj.next_latents.reshape(b * s, *traj.latents.shape[2:]))
-        means.append(traj.means.reshape(b * s, *traj.latents.shape[2:]))
-        logp.append(traj.log_probs.reshape(b * s))
-        image.append((torch.arange(b) + offset).repeat_interleave(s))
-        steps.append(torch.tensor(traj.steps, dtype=torch.long).repeat(b))
-        offset += b
-    step = torch.cat(steps)
-    image = torch.cat(image)
-    return FlowBatch(image=image, latents=torch.cat(latents), next_latents=torch.cat(nxt), old_log_prob=torch.cat(logp),
-                     old_mean=torch.cat(means), sigma=sched.sigmas[step], sigma_next=sched.sigmas[step + 1],
-                     timestep=sched.timesteps[step], advantages=advantages[image], text=text)
-
-
-@dataclass
-class NFTBatch:
-    """DiffusionNFT's rows: (image, training time) pairs, each with the image's clean sample ``x0``,
-    fresh noise, and the old adapter's (and, with a KL term, the reference's) velocity at ``x_t``."""
-
-    image: torch.Tensor  # [R] index into text of images
-    x0: torch.Tensor  # [R, C, H, W], the sampler's clean sample
-    noise: torch.Tensor  # [R, C, H, W], eps of x_t = (1 - t) x0 + t eps
-    t: torch.Tensor  # [R], sigma of the time (the noising time)
-    timestep: torch.Tensor  # [R], the transformer's timestep
-    advantages: torch.Tensor  # [R]
-    text: PromptEmbeddings  # per image
-    v_old: torch.Tensor | None = None  # [R, C, H, W], the old adapter's velocity (no gradient)
-    v_ref: torch.Tensor | None = None  # [R, C, H, W], the adapters-off velocity (KL)
-
-    def __len__(self) -> int:
-        return len(self.image)
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        return torch.ones(len(self), 1)
-
-    def select(self, rows) -> "NFTBatch":
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        pick = {name: getattr(self, name)[rows] for name in ("image", "x0", "noise", "t", "timestep", "advantages")}
-        return NFTBatch(**pick, text=self.text, v_old=None if self.v_old is None else self.v_old[rows],
-                        v_ref=None if self.v_ref is None else self.v_ref[rows])
-
-
-def nft_rows(finals: list[torch.Tensor], sched: Schedule, advantages: torch.Tensor, text: PromptEmbeddings,
-             times: int, generator: torch.Generator) -> NFTBatch:
-    """Each image's ``times`` training times, drawn without replacement from the rollout schedule's
-    (a random permutation per image, as NVlabs' trainer), each row with its own fresh noise."""
-    x0 = torch.cat(finals)
-    order = torch.stack([torch.randperm(sched.num_steps, generator=generator)[:times] for _ in range(len(x0))])
-    image = torch.arange(len(x0)).repeat_interleave(times)
-    step = order.reshape(-1)
-    noise = torch.randn((len(image), *x0.shape[1:]), generator=generator).to(x0)
-    return NFTBatch(image=image, x0=x0[image], noise=noise, t=sched.sigmas[step], timestep=sched.timesteps[step],
-                    advantages=advantages[image], text=text)
-
-
 # ---------------------------------------------------------------------------- the trainer
 
 OLD_ADAPTER = "old"  # DiffusionNFT's sampling adapter (NVlabs' name); PEFT saves it in model/old/
 
 
-class FlowGRPOTrainer(TrainingLoop):
-    """Trains LoRA adapters of a flow-matching transformer with Flow-GRPO, Flow-GRPO-Fast, GRPO-Guard or
-    DiffusionNFT (``algorithm.name``); the run loop is ``TrainingLoop``'s, the step this class's."""
+class FlowTrainer(TrainingLoop):
+    """Trains LoRA adapters of a flow-matching transformer; the run loop is ``TrainingLoop``'s, the step
+    this class's (the stages of the module docstring), and what differs per algorithm a subclass's hooks:
+    ``FlowGRPOTrainer`` (Flow-GRPO, Flow-GRPO-Fast, GRPO-Guard) and ``DiffusionNFTTrainer``.
+    ``flow_trainer(config)`` builds the one ``algorithm.name`` asks for."""
 
     def __init__(self, config: FlowConfig, *, train_records: list[dict] | None = None,
                  val_records: list[dict] | None = None):
@@ -272,6 +156,10 @@ class FlowGRPOTrainer(TrainingLoop):
         from grouprl.trainer.policy import build_scheduler
 
         t, actor, rollout = config.trainer, config.worker.actor, config.worker.rollout
+        if config.algorithm.name not in self.algorithms:
+            raise ConfigError(f"config key 'algorithm.name' is {config.algorithm.name!r}, which {type(self).__name__} "
+                              f"does not train (it trains {', '.join(self.algorithms)}); flow_trainer(config) picks "
+                              "the trainer of an algorithm")
         check_output_dirs(config)  # before the model loads
         set_seed(t.seed)
         accelerator = make_accelerator(t)
@@ -293,15 +181,13 @@ class FlowGRPOTrainer(TrainingLoop):
             raise ConfigError(f"config key 'worker.rollout.num_frames' is {rollout.num_frames}, but "
                               f"{actor.model.model_path} is an image model ({self.model.family}): remove it")
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
-        self.nft = config.algorithm.name == "diffusion_nft"
-        if self.nft:
-            self._add_old_adapter()
+        self.prepare_policy()
         from grouprl.domains.diffusion.ema import EMAWeights
 
         self.ema = EMAWeights.from_config(self.policy, actor.ema) if actor.ema.enabled else None
-        # checkpoints hold the adapters (the pipeline's parts never change) and, saved beside them through
-        # the loop's processor hook while the checkpoint is written, the moving average (model/ema.safetensors)
-        self.processor = self.ema
+        # checkpoints hold the adapters (the pipeline's parts never change) and, beside them, the moving
+        # average (model/ema.safetensors, written by save_extras) and what a subclass adds there
+        self.processor = None
         self.train_model = accelerator.prepare(self.policy)
         # one_step_off samples while the policy trains: sampling needs weights of its own
         self.sampler = self._frozen_copy(self.policy) if t.async_mode == "one_step_off" else self.policy
@@ -338,35 +224,6 @@ class FlowGRPOTrainer(TrainingLoop):
                 p.data = p.data.to(self.precision.param_dtype)
         return model
 
-    def _add_old_adapter(self) -> None:
-        """DiffusionNFT's old policy: a second LoRA adapter (``OLD_ADAPTER``) beside the trained one, a
-        copy of it to start; it samples, and follows the trained one after each step (``nft.update_old_policy``)."""
-        self.policy.add_adapter(OLD_ADAPTER, self.policy.peft_config["default"])
-        self.policy.set_adapter("default")  # the trained adapter active and the only one with gradients
-        with torch.no_grad():
-            for old, trained in self._old_pairs():
-                old.data = old.data.to(self.precision.param_dtype)
-                old.copy_(trained)
-
-    def _old_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        """(old adapter tensor, trained adapter tensor) pairs, matched by name."""
-        params = dict(self.policy.named_parameters())
-        pairs = [(params[name.replace(".default.", f".{OLD_ADAPTER}.")], p) for name, p in params.items()
-                 if "lora_" in name and ".default." in name]
-        if not pairs:
-            raise RuntimeError("diffusion_nft: the policy has no LoRA adapter tensors to pair with the old adapter")
-        return pairs
-
-    @contextlib.contextmanager
-    def _old_adapter(self):
-        """The old adapter active inside the block (PEFT's set_adapter also moves requires_grad to it:
-        the trained adapter is made active, and the only one with gradients, again after the block)."""
-        self.policy.set_adapter(OLD_ADAPTER)
-        try:
-            yield
-        finally:
-            self.policy.set_adapter("default")
-
     @staticmethod
     def _frozen_copy(policy):
         import copy
@@ -390,44 +247,70 @@ class FlowGRPOTrainer(TrainingLoop):
         return self.rollout(step, metrics, model=self.sampler)
 
     def run_info_extras(self) -> dict:
-        return {"rollout_weights": "old_adapter" if self.nft else "copy" if self.sampler is not self.policy
-                else "policy",
+        return {"rollout_weights": self.rollout_weights(),
                 "validation_weights": "ema" if self.ema is not None else "policy"}
 
-    def on_resume(self) -> None:
-        """The moving average and DiffusionNFT's old adapter from the checkpoint just restored (the one
-        ``trainer.resume`` chose: a path, or under ``auto`` the step directory of the restored step)."""
-        resume = self.config.trainer.resume
-        path = Path(resume) if resume != "auto" else \
-            self.config.checkpoint_dir / f"global_step_{self.state.global_step}"
+    def rollout_weights(self) -> str:
+        """run_info.json's ``rollout_weights``: which weights sample the training images."""
+        return "copy" if self.sampler is not self.policy else "policy"
+
+    def save_extras(self, model_dir: Path) -> None:
+        """Beside the adapters in each checkpoint: the moving average (``model/ema.safetensors``)."""
         if self.ema is not None:
-            self.ema.load(path)
-        if self.nft:
-            self._load_old_adapter(path)
+            self.ema.save_pretrained(model_dir)
 
-    def _load_old_adapter(self, path: Path) -> None:
-        """The old adapter PEFT's save_pretrained wrote beside the trained one (``model/old/``)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+    def on_resume(self) -> None:
+        """What ``save_extras`` wrote, from the checkpoint just restored (``resumed_checkpoint``)."""
+        if self.ema is not None:
+            self.ema.load(self.resumed_checkpoint())
 
-        from grouprl.trainer.checkpoint import CheckpointError
+    def resumed_checkpoint(self) -> Path:
+        """The checkpoint ``trainer.resume`` chose: a path, or under ``auto`` the step directory of the
+        restored step."""
+        resume = self.config.trainer.resume
+        return Path(resume) if resume != "auto" else \
+            self.config.checkpoint_dir / f"global_step_{self.state.global_step}"
 
-        file = path / "model" / OLD_ADAPTER / "adapter_model.safetensors"
-        if not file.exists():
-            raise CheckpointError(f"checkpoint {path} has no DiffusionNFT old adapter ({file}); it was not saved by a "
-                                  "diffusion_nft run")
-        result = set_peft_model_state_dict(self.policy, load_file(str(file)), adapter_name=OLD_ADAPTER)
-        missing = [k for k in getattr(result, "missing_keys", []) if f".{OLD_ADAPTER}." in k]
-        if missing:
-            raise CheckpointError(f"{file} does not match the model's old adapter: missing {missing[:3]}")
-        self.policy.set_adapter("default")
+    # ------------------------------------------------------------------ the algorithm's hooks
+
+    algorithms: tuple[str, ...] = ()  # the algorithm.name values the class trains
+
+    def prepare_policy(self) -> None:
+        """After the LoRA adapter is added, before the EMA, the accelerator and the optimizer see the policy."""
+
+    def sampling_adapter(self):
+        """The context the training rollouts sample in (the trained adapter: nothing to switch)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def _trained_steps(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
+        """(SDE steps, stored and trained steps) of this step's rollouts."""
+
+    @abc.abstractmethod
+    def training_rows(self, step: int, rollout: FlowRollout, advantages: torch.Tensor, metrics: StepMetrics):
+        """The update's rows of a rollout whose images have ``advantages``."""
+
+    @abc.abstractmethod
+    def prepare_rows(self, batch, metrics: StepMetrics, *, stale: bool) -> None:
+        """Fill in what the rows' loss compares with; ``stale``: the rollout was sampled one update ago."""
+
+    @abc.abstractmethod
+    def update_fns(self):
+        """(forward, loss) for ``run_update``, looked up at each step (a test may replace either)."""
+
+    def after_update(self, metrics: StepMetrics) -> None:
+        """After the optimizer and learning-rate steps, before the moving average."""
+
+    @abc.abstractmethod
+    def rollout_metrics(self, rollout: FlowRollout, metrics: StepMetrics) -> None:
+        """``rollout/trained_steps`` and the like: what of each image was trained."""
 
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> StepResult:
         """One training step on this process (the stages of the module docstring); its metrics are not yet
         reduced across processes. The result keeps no batch: its rows hold every trained step's latents."""
-        algo, actor = self.config.algorithm, self.config.worker.actor
+        actor = self.config.worker.actor
         metrics = StepMetrics()
         t0 = time.perf_counter()
         # 1-3. the images, scored: sampled now, or (one_step_off) by the sampler during the last step's update
@@ -437,54 +320,43 @@ class FlowGRPOTrainer(TrainingLoop):
         self.rollout_taken(step, metrics, stale=stale)
         # 4. advantages per image, every trained step of an image a row
         advantages = self._advantages(torch.tensor(rollout.rewards.total, dtype=torch.float32))
-        if self.nft:
-            batch = self._nft_batch(step, rollout, advantages)
-            trained_per_image = nft_timesteps(self.config.worker.rollout.num_steps, algo.timestep_fraction)
-        else:
-            batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
-            trained_per_image = len(rollout.steps)
-            zero = int((batch.advantages == 0).sum())
-            metrics.sum("actor/zero_advantage_rows", float(zero))
-            metrics.sum("actor/skipped_rows", float(zero if self._skips_zero_advantage() else 0))
+        batch = self.training_rows(step, rollout, advantages, metrics)
         mark("log-probs")
-        if stale:
-            self._recompute_old(batch, metrics)
-        # 5. the reference's means (DiffusionNFT: the old adapter's and the reference's velocities)
-        if self.nft:
-            self._nft_velocities(batch)
-        elif algo.kl_coef > 0:
-            batch.ref_mean = self._reference_means(batch)
-        # 6. the update; Flow-GRPO shuffles (image, step) rows so each optimizer step mixes steps and images
+        # 5. what the loss compares with, fixed during the update (the reference's means; DiffusionNFT's
+        # old-adapter and reference velocities)
+        self.prepare_rows(batch, metrics, stale=stale)
+        # 6. the update; the rows are shuffled so that each optimizer step mixes steps (times) and images
         perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(step))
         batch = batch.select(perm)
         metrics.mean("actor/lr", self.scheduler.get_last_lr()[0])
         u0 = time.perf_counter()
         mark("update")
+        forward, loss = self.update_fns()
+        taken = 0
+
+        def after_optimizer_step() -> None:
+            # 7. the moving average, after every optimizer step (counted over the run, as the peers count it)
+            nonlocal taken
+            taken += 1
+            if self.ema is not None:
+                updated = self.ema.update(self.state.optimizer_steps + taken)
+                metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
+
         self.state.optimizer_steps += run_update(
-            self.train_model, self.optimizer, batch,
-            log_prob_fn=self._nft_velocity_fn if self.nft else self._log_prob_fn,
-            loss_fn=self._nft_loss_fn if self.nft else self._loss_fn,
+            self.train_model, self.optimizer, batch, log_prob_fn=forward, loss_fn=loss,
             accelerator=self.accelerator, precision=self.precision,
             settings=UpdateSettings(num_minibatches=actor.num_minibatches, epochs=actor.ppo_epochs,
                                     micro_batch_size=actor.micro_batch_size, max_grad_norm=actor.max_grad_norm),
-            metrics=metrics)
+            metrics=metrics, on_step_end=after_optimizer_step)
         self.scheduler.step()
-        if self.nft:  # DiffusionNFT's old adapter follows the trained one
-            decay = self._update_old_adapter()
-            metrics.mean("actor/old_policy_decay", decay)
-        # 7. the moving average of the weights just updated
-        if self.ema is not None:
-            updated = self.ema.update(step)
-            metrics.mean("actor/ema_decay", self.ema.last_decay, 1.0 if updated else 0.0)
+        self.after_update(metrics)
         metrics.max("timing/update_s", time.perf_counter() - u0)
         # what was trained on, for the logs
         record_rewards(metrics, rollout.rewards, self.rewards.keys)
         metrics.mean("frac_reward_zero_std", zero_std_fraction(rollout.rewards.total, self.config.worker.rollout.n),
                      len(rollout.prompts))
         metrics.moments("advantages", advantages.tolist())
-        metrics.mean("rollout/trained_steps", float(trained_per_image))  # DiffusionNFT: training times per image
-        if not self.nft:  # DiffusionNFT's times are drawn per image
-            metrics.mean("rollout/first_trained_step", float(rollout.steps[0]) if rollout.steps else math.nan)
+        self.rollout_metrics(rollout, metrics)
         metrics.max("timing/step_s", time.perf_counter() - t0)
         metrics.sum("perf/images", float(len(rollout.prompts)))
         records = self.rollout_records(rollout, advantages) if self.config.trainer.log_rollouts else None
@@ -514,10 +386,8 @@ class FlowGRPOTrainer(TrainingLoop):
                 rows = list(range(start, min(start + rollout.micro_batch_size, len(prompts))))
                 s0 = time.perf_counter()
                 mark("sample")
-                # the update re-scores these steps under this precision context, with inputs in this dtype;
-                # DiffusionNFT samples with its old adapter
-                with self.precision.autocast(self.device), \
-                        self._old_adapter() if self.nft else contextlib.nullcontext():
+                # the update re-scores these steps under this precision context, with inputs in this dtype
+                with self.precision.autocast(self.device), self.sampling_adapter():
                     traj = sample(model, text.select(rows), self._noise(len(rows), generator), self.sched,
                                   guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
                                   kind=rollout.kind, sde_steps=sde_steps, store=store, generator=generator,
@@ -547,24 +417,143 @@ class FlowGRPOTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------ rollout parts
 
+    def _noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        rollout = self.config.worker.rollout
+        shape = self.model.latent_shape(rollout.height, rollout.width, rollout.num_frames)
+        return torch.randn((n, *shape), generator=generator).to(self.device)
+
+    def _advantages(self, total: torch.Tensor) -> torch.Tensor:
+        """This process's advantages: the core ``grpo`` estimator over its own groups, with (``global_std``)
+        the std of every process's rewards (``trainer.parallel.batch_moments``, as the language trainer's
+        std_level batch). Each process holds whole groups (n images of each of its prompts), so only that
+        std needs the other processes, as Flow-GRPO gathers their rewards for it."""
+        algo, n = self.config.algorithm, self.config.worker.rollout.n
+        batch_std = None
+        if algo.global_std:
+            _, std, count = batch_moments(total.to(self.device), self.accelerator)
+            batch_std = std if count > 1 else 1.0
+        return group_advantages(total, n, global_std=algo.global_std, clip=algo.adv_clip_max, batch_std=batch_std)
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self, step: int) -> StepResult | None:
+        """ODE samples of the validation prompts (fixed noise), their rewards and an image grid; with
+        ``worker.actor.ema`` sampled with the moving average of the weights (the weights are put back after).
+
+        ``worker.rollout.val_n = k`` images per prompt, each from its own noise (drawn in order from one
+        generator seeded with ``val_seed``: reproducible, and k = 1 draws what one image per prompt always
+        drew), give ``mean@k``, ``best@k``, ``worst@k`` and ``pass@k`` per reward and for the weighted total,
+        per ``data_source`` too, as the language trainer's (``grouprl.trainer.val_metrics``); the task
+        metrics that ``trainer.val_metrics`` names score every image of the whole set
+        (``grouprl.trainer.task_metrics``: the completions are PIL images). A process may get no
+        validation prompt (fewer prompts than processes): it still reports every key, with no weight.
+        None without validation prompts.
+        """
+        from PIL import Image
+
+        from grouprl.domains.diffusion.images import save_grid
+
+        if not self.val_records:
+            return None
+        config, rollout = self.config, self.config.worker.rollout
+        metrics = StepMetrics()
+        rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, rollout.val_n
+        positions = list(range(len(self.val_records)))[rank::world]
+        records = [self.val_records[i] for i in positions]
+        scale = rollout.val_guidance_scale if rollout.val_guidance_scale is not None else rollout.guidance_scale
+        sched = self.model.schedule(rollout.val_num_steps, rollout.height, rollout.width, rollout.num_frames)
+        generator = torch.Generator().manual_seed(rollout.val_seed)
+        # one row per image: a prompt's k images together
+        row_records = [r for r in records for _ in range(k)]
+        prompts = [r[config.data.prompt_key] for r in row_records]
+        metadata = {key: [r.get(key) for r in row_records]
+                    for key in sorted({key for r in records for key in r if key != config.data.prompt_key})}
+        images = []
+        mark("sample")
+        # flow_grpo validates (and saves) the moving average: the raw weights come back after the block
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            for start in range(0, len(records), config.data.val_batch_size):
+                chunk_prompts = prompts[start * k:(start + config.data.val_batch_size) * k]
+                text = encode(self.model, chunk_prompts, scale).to(self.device)
+                with self.precision.autocast(self.device):  # as the training rollouts
+                    traj = sample(self.policy, text, self._noise(len(chunk_prompts), generator), sched,
+                                  guidance_scale=scale, noise_level=0.0, input_dtype=self.precision.compute_dtype)
+                images.extend(self.model.decode(traj.final))
+        mark("reward")
+        result = self.val_rewards.score(images, prompts, metadata)
+        record_rewards(metrics, result, self.val_rewards.keys)
+        groups = [list(range(i * k, (i + 1) * k)) for i in range(len(records))]
+        prompt_sources = [None if r.get("data_source") is None else str(r["data_source"]) for r in records]
+        sources = sorted({s for s in prompt_sources if s is not None})
+        if world > 1:  # every process declares every source's keys
+            from accelerate.utils import gather_object
+
+            sources = sorted(set(gather_object(sources)))
+        record_val_metrics(metrics, groups, result.components, result.total, k, self.val_thresholds,
+                           prompt_sources, sources)
+        if config.trainer.val_metrics:
+            mark("task_metrics")
+            rows = [{"completion": image, "reference": r.get("answer"), "prompt": p,
+                     "prompt_index": positions[i // k],
+                     "columns": {key: v for key, v in r.items() if key != config.data.prompt_key}}
+                    for i, (image, p, r) in enumerate(zip(images, prompts, row_records))]
+            validation_task_metrics(metrics, config.trainer.val_metrics, rows, self.accelerator)
+        logged = []
+        if self.is_main and rollout.val_images_to_log > 0:
+            shown = rollout.val_images_to_log
+            path = save_grid(images[:shown], self.run_dir / "val_images" / f"step_{step:06d}.png",
+                             # long prompts shortened: the caption wraps, so it grows with the text
+                             captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
+                                       for p, s in zip(prompts[:shown], result.total[:shown])])
+            with Image.open(path) as saved:  # the loggers get the grid as saved, captions included
+                logged.append((f"validation step {step}", saved.copy()))
+        return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)],
+                          images=logged)
+
+
+class FlowGRPOTrainer(FlowTrainer):
+    """Flow-GRPO, Flow-GRPO-Fast and GRPO-Guard: the clipped ratio of each stored SDE step's
+    log-probability, per (image, trained step) row (``batches.FlowBatch``)."""
+
+    algorithms = ("flow_grpo", "flow_grpo_fast", "grpo_guard")
+
+    def training_rows(self, step: int, rollout: FlowRollout, advantages: torch.Tensor,
+                      metrics: StepMetrics) -> FlowBatch:
+        """Every stored step of an image a row, with the image's advantage (``batches.rows_of``)."""
+        batch = rows_of(rollout.trajectories, self.sched, advantages, rollout.text)
+        zero = int((batch.advantages == 0).sum())
+        metrics.sum("actor/zero_advantage_rows", float(zero))
+        metrics.sum("actor/skipped_rows", float(zero if self._skips_zero_advantage() else 0))
+        return batch
+
+    def prepare_rows(self, batch: FlowBatch, metrics: StepMetrics, *, stale: bool) -> None:
+        """A one-update-stale batch's old log-probs and means recomputed; with a KL term the reference's means."""
+        if stale:
+            self._recompute_old(batch, metrics)
+        if self.config.algorithm.kl_coef > 0:
+            batch.ref_mean = self._reference_means(batch)
+
+    def update_fns(self):
+        return self._log_prob_fn, self._loss_fn
+
+    def rollout_metrics(self, rollout: FlowRollout, metrics: StepMetrics) -> None:
+        metrics.mean("rollout/trained_steps", float(len(rollout.steps)))
+        metrics.mean("rollout/first_trained_step", float(rollout.steps[0]) if rollout.steps else math.nan)
+
+    # ------------------------------------------------------------------ rollout parts
+
     def _trained_steps(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
         """(SDE steps, stored and trained steps) of this step's rollouts; the last step is an ODE step with
         ``worker.rollout.deterministic_last_step``."""
         algo, rollout = self.config.algorithm, self.config.worker.rollout
         last = rollout.num_steps - 1 if rollout.deterministic_last_step else rollout.num_steps
-        if self.nft:  # any sampler, no step stored: the ODE, or SDE steps with a noise level
-            return (list(range(last)) if rollout.noise_level > 0 else []), []
         if algo.name == "flow_grpo_fast":
             window = list(sde_window(rollout.num_steps, rollout.sde_window_size, sde_range(rollout),
                                      generator=generator))
             return window, window
         return list(range(last)), trained_steps(rollout.num_steps, algo.timestep_fraction,
                                                 rollout.deterministic_last_step)
-
-    def _noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        rollout = self.config.worker.rollout
-        shape = self.model.latent_shape(rollout.height, rollout.width, rollout.num_frames)
-        return torch.randn((n, *shape), generator=generator).to(self.device)
 
     # ------------------------------------------------------------------ update
 
@@ -664,18 +653,6 @@ class FlowGRPOTrainer(TrainingLoop):
                 out.append(mean.float())
         return torch.cat(out)
 
-    def _advantages(self, total: torch.Tensor) -> torch.Tensor:
-        """This process's advantages: the core ``grpo`` estimator over its own groups, with (``global_std``)
-        the std of every process's rewards (``trainer.parallel.batch_moments``, as the language trainer's
-        std_level batch). Each process holds whole groups (n images of each of its prompts), so only that
-        std needs the other processes, as Flow-GRPO gathers their rewards for it."""
-        algo, n = self.config.algorithm, self.config.worker.rollout.n
-        batch_std = None
-        if algo.global_std:
-            _, std, count = batch_moments(total.to(self.device), self.accelerator)
-            batch_std = std if count > 1 else 1.0
-        return group_advantages(total, n, global_std=algo.global_std, clip=algo.adv_clip_max, batch_std=batch_std)
-
     @torch.no_grad()
     def _recompute_old(self, batch: FlowBatch, metrics: StepMetrics) -> None:
         """One-update-stale rows: old log-probs and means under the current weights.
@@ -696,7 +673,116 @@ class FlowGRPOTrainer(TrainingLoop):
                      float(len(batch)))
         batch.old_log_prob, batch.old_mean = current, torch.cat(means)
 
-    # ------------------------------------------------------------------ DiffusionNFT
+
+class DiffusionNFTTrainer(FlowTrainer):
+    """DiffusionNFT (``nft.py``): a second LoRA adapter ("old") samples; the rows are (image, time) pairs
+    of each clean sample noised afresh (``batches.NFTBatch``); the loss is ``nft.nft_loss`` on the trained
+    adapter's velocity; after each step the old adapter moves towards the trained one. Checkpoints hold
+    both adapters (PEFT writes the old one to ``model/old/``)."""
+
+    algorithms = ("diffusion_nft",)
+
+    def prepare_policy(self) -> None:
+        self._add_old_adapter()
+
+    def sampling_adapter(self):
+        """DiffusionNFT samples with its old adapter."""
+        return self._old_adapter()
+
+    def rollout_weights(self) -> str:
+        return "old_adapter"
+
+    def on_resume(self) -> None:
+        """The moving average and the old adapter from the checkpoint just restored."""
+        super().on_resume()
+        self._load_old_adapter(self.resumed_checkpoint())
+
+    def training_rows(self, step: int, rollout: FlowRollout, advantages: torch.Tensor,
+                      metrics: StepMetrics) -> NFTBatch:
+        return self._nft_batch(step, rollout, advantages)
+
+    def prepare_rows(self, batch: NFTBatch, metrics: StepMetrics, *, stale: bool) -> None:
+        # never stale: the config refuses one_step_off (its old adapter samples, and moves after each step)
+        self._nft_velocities(batch)
+
+    def update_fns(self):
+        return self._nft_velocity_fn, self._nft_loss_fn
+
+    def after_update(self, metrics: StepMetrics) -> None:
+        """The old adapter follows the trained one."""
+        metrics.mean("actor/old_policy_decay", self._update_old_adapter())
+
+    def rollout_metrics(self, rollout: FlowRollout, metrics: StepMetrics) -> None:
+        # the training times per image (drawn per image, so no first step)
+        metrics.mean("rollout/trained_steps", float(nft_timesteps(self.config.worker.rollout.num_steps,
+                                                                  self.config.algorithm.timestep_fraction)))
+
+    def _trained_steps(self, generator: torch.Generator) -> tuple[list[int], list[int]]:
+        """Any sampler, no step stored: the ODE, or SDE steps with a noise level (the last an ODE step with
+        ``worker.rollout.deterministic_last_step``)."""
+        rollout = self.config.worker.rollout
+        last = rollout.num_steps - 1 if rollout.deterministic_last_step else rollout.num_steps
+        return (list(range(last)) if rollout.noise_level > 0 else []), []
+
+    # ------------------------------------------------------------------ the old adapter
+
+    def _add_old_adapter(self) -> None:
+        """DiffusionNFT's old policy: a second LoRA adapter (``OLD_ADAPTER``) beside the trained one, a
+        copy of it to start; it samples, and follows the trained one after each step (``nft.update_old_policy``)."""
+        self.policy.add_adapter(OLD_ADAPTER, self.policy.peft_config["default"])
+        self.policy.set_adapter("default")  # the trained adapter active and the only one with gradients
+        with torch.no_grad():
+            for old, trained in self._old_pairs():
+                old.data = old.data.to(self.precision.param_dtype)
+                old.copy_(trained)
+
+    def _old_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(old adapter tensor, trained adapter tensor) pairs, matched by name."""
+        params = dict(self.policy.named_parameters())
+        pairs = [(params[name.replace(".default.", f".{OLD_ADAPTER}.")], p) for name, p in params.items()
+                 if "lora_" in name and ".default." in name]
+        if not pairs:
+            raise RuntimeError("diffusion_nft: the policy has no LoRA adapter tensors to pair with the old adapter")
+        return pairs
+
+    @contextlib.contextmanager
+    def _old_adapter(self):
+        """The old adapter active inside the block (PEFT's set_adapter also moves requires_grad to it:
+        the trained adapter is made active, and the only one with gradients, again after the block)."""
+        self.policy.set_adapter(OLD_ADAPTER)
+        try:
+            yield
+        finally:
+            self.policy.set_adapter("default")
+
+    def _load_old_adapter(self, path: Path) -> None:
+        """The old adapter PEFT's save_pretrained wrote beside the trained one (``model/old/``)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from grouprl.trainer.checkpoint import CheckpointError
+
+        file = path / "model" / OLD_ADAPTER / "adapter_model.safetensors"
+        if not file.exists():
+            raise CheckpointError(f"checkpoint {path} has no DiffusionNFT old adapter ({file}); it was not saved by a "
+                                  "diffusion_nft run")
+        result = set_peft_model_state_dict(self.policy, load_file(str(file)), adapter_name=OLD_ADAPTER)
+        missing = [k for k in getattr(result, "missing_keys", []) if f".{OLD_ADAPTER}." in k]
+        if missing:
+            raise CheckpointError(f"{file} does not match the model's old adapter: missing {missing[:3]}")
+        self.policy.set_adapter("default")
+
+    @torch.no_grad()
+    def _update_old_adapter(self) -> float:
+        """old <- d old + (1 - d) theta after the step, d from the optimizer steps taken (NVlabs' global_step)."""
+        nft = self.config.algorithm.nft
+        decay = old_policy_decay(self.state.optimizer_steps, flat=nft.decay_flat, rate=nft.decay_rate,
+                                 ceiling=nft.decay_ceiling)
+        old, trained = zip(*self._old_pairs())
+        update_old_policy(list(old), list(trained), decay)
+        return decay
+
+    # ------------------------------------------------------------------ rows and loss
 
     def _nft_batch(self, step: int, rollout: FlowRollout, advantages: torch.Tensor) -> NFTBatch:
         """The rows of DiffusionNFT's update: each image at its training times with fresh noise (drawn from a
@@ -758,89 +844,11 @@ class FlowGRPOTrainer(TrainingLoop):
         metrics.moments("actor/optimality", r.tolist())
         return loss, reported
 
-    @torch.no_grad()
-    def _update_old_adapter(self) -> float:
-        """old <- d old + (1 - d) theta after the step, d from the optimizer steps taken (NVlabs' global_step)."""
-        nft = self.config.algorithm.nft
-        decay = old_policy_decay(self.state.optimizer_steps, flat=nft.decay_flat, rate=nft.decay_rate,
-                                 ceiling=nft.decay_ceiling)
-        old, trained = zip(*self._old_pairs())
-        update_old_policy(list(old), list(trained), decay)
-        return decay
 
-    # ------------------------------------------------------------------ validation
-
-    @torch.no_grad()
-    def validate(self, step: int) -> StepResult | None:
-        """ODE samples of the validation prompts (fixed noise), their rewards and an image grid; with
-        ``worker.actor.ema`` sampled with the moving average of the weights (the weights are put back after).
-
-        ``worker.rollout.val_n = k`` images per prompt, each from its own noise (drawn in order from one
-        generator seeded with ``val_seed``: reproducible, and k = 1 draws what one image per prompt always
-        drew), give ``mean@k``, ``best@k``, ``worst@k`` and ``pass@k`` per reward and for the weighted total,
-        per ``data_source`` too, as the language trainer's (``grouprl.trainer.val_metrics``); the task
-        metrics that ``trainer.val_metrics`` names score every image of the whole set
-        (``grouprl.trainer.task_metrics``: the completions are PIL images). A process may get no
-        validation prompt (fewer prompts than processes): it still reports every key, with no weight.
-        None without validation prompts.
-        """
-        from PIL import Image
-
-        from grouprl.domains.diffusion.images import save_grid
-
-        if not self.val_records:
-            return None
-        config, rollout = self.config, self.config.worker.rollout
-        metrics = StepMetrics()
-        rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, rollout.val_n
-        positions = list(range(len(self.val_records)))[rank::world]
-        records = [self.val_records[i] for i in positions]
-        scale = rollout.val_guidance_scale if rollout.val_guidance_scale is not None else rollout.guidance_scale
-        sched = self.model.schedule(rollout.val_num_steps, rollout.height, rollout.width, rollout.num_frames)
-        generator = torch.Generator().manual_seed(rollout.val_seed)
-        # one row per image: a prompt's k images together
-        row_records = [r for r in records for _ in range(k)]
-        prompts = [r[config.data.prompt_key] for r in row_records]
-        metadata = {key: [r.get(key) for r in row_records]
-                    for key in sorted({key for r in records for key in r if key != config.data.prompt_key})}
-        images = []
-        mark("sample")
-        # flow_grpo validates (and saves) the moving average: the raw weights come back after the block
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            for start in range(0, len(records), config.data.val_batch_size):
-                chunk_prompts = prompts[start * k:(start + config.data.val_batch_size) * k]
-                text = encode(self.model, chunk_prompts, scale).to(self.device)
-                with self.precision.autocast(self.device):  # as the training rollouts
-                    traj = sample(self.policy, text, self._noise(len(chunk_prompts), generator), sched,
-                                  guidance_scale=scale, noise_level=0.0, input_dtype=self.precision.compute_dtype)
-                images.extend(self.model.decode(traj.final))
-        mark("reward")
-        result = self.val_rewards.score(images, prompts, metadata)
-        record_rewards(metrics, result, self.val_rewards.keys)
-        groups = [list(range(i * k, (i + 1) * k)) for i in range(len(records))]
-        prompt_sources = [None if r.get("data_source") is None else str(r["data_source"]) for r in records]
-        sources = sorted({s for s in prompt_sources if s is not None})
-        if world > 1:  # every process declares every source's keys
-            from accelerate.utils import gather_object
-
-            sources = sorted(set(gather_object(sources)))
-        record_val_metrics(metrics, groups, result.components, result.total, k, self.val_thresholds,
-                           prompt_sources, sources)
-        if config.trainer.val_metrics:
-            mark("task_metrics")
-            rows = [{"completion": image, "reference": r.get("answer"), "prompt": p,
-                     "prompt_index": positions[i // k],
-                     "columns": {key: v for key, v in r.items() if key != config.data.prompt_key}}
-                    for i, (image, p, r) in enumerate(zip(images, prompts, row_records))]
-            validation_task_metrics(metrics, config.trainer.val_metrics, rows, self.accelerator)
-        logged = []
-        if self.is_main and rollout.val_images_to_log > 0:
-            shown = rollout.val_images_to_log
-            path = save_grid(images[:shown], self.run_dir / "val_images" / f"step_{step:06d}.png",
-                             # long prompts shortened: the caption wraps, so it grows with the text
-                             captions=[f"{p if len(p) <= 80 else p[:77] + '...'}\nreward {s:.2f}"
-                                       for p, s in zip(prompts[:shown], result.total[:shown])])
-            with Image.open(path) as saved:  # the loggers get the grid as saved, captions included
-                logged.append((f"validation step {step}", saved.copy()))
-        return StepResult(metrics, records=[{"prompt": p, "score": s} for p, s in zip(prompts, result.total)],
-                          images=logged)
+def flow_trainer(config: FlowConfig, **kwargs) -> FlowTrainer:
+    """The trainer of ``config.algorithm.name``: ``DiffusionNFTTrainer`` for diffusion_nft, else
+    ``FlowGRPOTrainer`` (the ``flow`` trainer kind builds runs through this)."""
+    for cls in (FlowGRPOTrainer, DiffusionNFTTrainer):
+        if config.algorithm.name in cls.algorithms:
+            return cls(config, **kwargs)
+    raise ConfigError(f"config key 'algorithm.name' is {config.algorithm.name!r}: no flow trainer trains it")

@@ -1,1 +1,1 @@
-"""Flow model families beyond SD3: each module holds one family's FlowModel, its conditioning, loader and tiny stand-in."""
+"""Flow model families beyond SD3: each a ``FlowModel`` subclass and loader, registered in ``models.FLOW_FAMILIES``."""
