@@ -136,6 +136,8 @@ class QwenImageFlowModel(FlowModel):
 
     family = "qwen_image"
     video = False
+    # true CFG's unconditional text (pretraining's prompt dropout should use the same)
+    negative_prompt = NEGATIVE_PROMPT
 
     @property
     def vae_scale_factor(self) -> int:
@@ -213,7 +215,7 @@ class QwenImageFlowModel(FlowModel):
         embeds, mask = self.encode_prompts(prompts)
         if guidance_scale == 1.0:
             return QwenImageConditioning(embeds, mask)
-        negative, negative_mask = self.encode_prompts([NEGATIVE_PROMPT])
+        negative, negative_mask = self.encode_prompts([self.negative_prompt])
         n = len(embeds)
         return QwenImageConditioning(embeds, mask, negative.expand(n, -1, -1).clone(),
                                      negative_mask.expand(n, -1).clone())
