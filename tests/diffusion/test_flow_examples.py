@@ -65,7 +65,8 @@ GUARD_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_p
 RECIPES = sorted(EXPECTED)
 # recipes of other model families, checked with their family's tiny stand-in in that family's test file
 OTHER_FAMILIES = {"flow_grpo_flux.yaml": "tests/diffusion/test_family_flux.py",
-                  "flow_grpo_wan.yaml": "tests/diffusion/test_family_wan.py"}
+                  "flow_grpo_wan.yaml": "tests/diffusion/test_family_wan.py",
+                  "flow_grpo_qwen_image.yaml": "tests/diffusion/test_family_qwen_image.py"}
 
 
 def _get(config, dotted: str):

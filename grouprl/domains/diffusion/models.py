@@ -252,6 +252,8 @@ FLOW_FAMILIES.register("flux", FlowFamily("FluxPipeline", "grouprl.domains.diffu
                                           video=False, description="FLUX.1 dev / schnell (guidance embedding)"))
 FLOW_FAMILIES.register("wan", FlowFamily("WanPipeline", "grouprl.domains.diffusion.families.wan:load_wan", video=True,
                                          description="Wan 2.1 / 2.2 text-to-video (one transformer)"))
+FLOW_FAMILIES.register("qwen_image", FlowFamily("QwenImagePipeline", "grouprl.domains.diffusion.families.qwen_image:"
+                                                "load_qwen_image", video=False, description="Qwen-Image"))
 
 
 def family_of_pipeline(class_name: Any) -> str:
