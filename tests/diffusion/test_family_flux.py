@@ -226,3 +226,14 @@ def test_the_flux_recipe_loads_with_flow_grpos_settings():
     assert (actor.optim.lr, actor.optim.weight_decay, actor.max_grad_norm) == (3e-4, 1e-4, 1.0)
     assert actor.ema.enabled and actor.ema.decay == 0.9
     assert [f.name for f in config.worker.reward.functions] == ["pickscore"]
+
+
+def test_the_prompt_length_key_reaches_the_model(flux_config, tmp_path):
+    """worker.actor.model.max_sequence_length sets the T5 tokens per prompt; unset, FluxPipeline's 512 capped by
+    the tokenizer (the tiny one's 12)."""
+    from grouprl.domains.diffusion.trainer import flow_trainer
+
+    short = flow_trainer(flux_config(tmp_path / "short", **{"worker.actor.model.max_sequence_length": 5}))
+    assert short.model.max_sequence_length == 5
+    assert short.model.condition(["a red square on the left"]).embeds.shape[1] == 5
+    assert flow_trainer(flux_config(tmp_path / "unset")).model.max_sequence_length == 12

@@ -127,6 +127,9 @@ class FlowAlgorithmConfig:
 class FlowModelConfig:
     model_path: str | None = None  # a local diffusers directory (StableDiffusion3Pipeline, or grouprl's tiny pixel model)
     dtype: str = field(default="float32", metadata=choices("float32", "bfloat16"))
+    # prompt length in text-encoder tokens (T5 / UMT5 / Qwen2.5-VL); null: the model family's pipeline
+    # default (SD3 256; FLUX.1, Qwen-Image, Wan 512)
+    max_sequence_length: int | None = None
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=32, alpha=64, target_modules=["attention"]))
 
 
@@ -348,6 +351,10 @@ def validate_flow(config: FlowConfig) -> None:
         raise ConfigError(f"config key 'worker.actor.ema.decay' must be in [0, 1); got {ema.decay}")
     _positive("worker.actor.ema.start_step", ema.start_step, allow_zero=True)
     _positive("worker.actor.ema.update_interval", ema.update_interval)
+    if actor.model.max_sequence_length is not None:
+        _positive("worker.actor.model.max_sequence_length", actor.model.max_sequence_length)
+    if rollout.num_frames is not None:
+        _positive("worker.rollout.num_frames", rollout.num_frames)
     if actor.model.lora.rank <= 0:
         raise ConfigError("config key 'worker.actor.model.lora.rank' must be > 0: the flow trainer trains LoRA "
                           "adapters (the reference model is the policy with them off)")

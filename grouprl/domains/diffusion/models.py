@@ -232,12 +232,15 @@ def lora_target_modules(transformer: torch.nn.Module) -> list[str]:
 @dataclass(frozen=True)
 class FlowFamily:
     """A model family: the diffusers pipeline class whose directories it loads, and its loader
-    ``load(path, dtype, max_sequence_length) -> FlowModel`` (a function or a ``"module:attr"`` reference)."""
+    ``load(path, dtype, max_sequence_length) -> FlowModel`` (a function or a ``"module:attr"`` reference);
+    ``max_sequence_length`` is the prompt length its pipeline's ``__call__`` uses by default."""
 
     pipeline_class: str
     load: Any
     video: bool = False
     description: str = ""
+    # the prompt length (text-encoder tokens) when the config leaves it unset: the pipeline's own default
+    max_sequence_length: int = 256
 
 
 def _check_family(name: str, family: Any) -> None:
@@ -249,11 +252,14 @@ FLOW_FAMILIES: Registry[FlowFamily] = Registry("flow model family", error=ValueE
 FLOW_FAMILIES.register("sd3", FlowFamily("StableDiffusion3Pipeline", "grouprl.domains.diffusion.models:_load_sd3",
                                          description="Stable Diffusion 3 / 3.5"))
 FLOW_FAMILIES.register("flux", FlowFamily("FluxPipeline", "grouprl.domains.diffusion.families.flux:load_flux",
-                                          video=False, description="FLUX.1 dev / schnell (guidance embedding)"))
+                                          video=False, description="FLUX.1 dev / schnell (guidance embedding)",
+                                          max_sequence_length=512))
 FLOW_FAMILIES.register("wan", FlowFamily("WanPipeline", "grouprl.domains.diffusion.families.wan:load_wan", video=True,
-                                         description="Wan 2.1 / 2.2 text-to-video (one transformer)"))
+                                         description="Wan 2.1 / 2.2 text-to-video (one transformer)",
+                                         max_sequence_length=512))
 FLOW_FAMILIES.register("qwen_image", FlowFamily("QwenImagePipeline", "grouprl.domains.diffusion.families.qwen_image:"
-                                                "load_qwen_image", video=False, description="Qwen-Image"))
+                                                "load_qwen_image", video=False, description="Qwen-Image",
+                                                max_sequence_length=512))
 
 
 def family_of_pipeline(class_name: Any) -> str:
@@ -278,12 +284,14 @@ def _resolve(reference: Any):
 
 
 def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    max_sequence_length: int = 256) -> FlowModel:
+                    max_sequence_length: int | None = None) -> FlowModel:
     """Load a flow model from a local directory (see the module docstring for the two layouts).
 
     Text encoders and the VAE are frozen (``requires_grad`` off, eval mode); the
-    transformer is returned as loaded. ``max_sequence_length`` is the T5 length of
-    SD3 prompt embeddings (the pipeline's default 256; zeros when T5 is absent).
+    transformer is returned as loaded. ``max_sequence_length`` is the prompt length in
+    text-encoder tokens (SD3's T5 tokens, zeros when T5 is absent; FLUX's T5; Qwen-Image's
+    and Wan's); None: the family's pipeline default (``FlowFamily.max_sequence_length``:
+    SD3 256, the others 512). grouprl's own layout has no such length (one CLIP).
     """
     path = Path(path)
     if not path.is_dir():
@@ -296,7 +304,11 @@ def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
             family = family_of_pipeline(_read_index(path, MODEL_INDEX).get("_class_name"))
         except ValueError as error:
             raise ValueError(f"load_flow_model: {path / MODEL_INDEX}: {error}") from None
-        model = _resolve(FLOW_FAMILIES.get(family).load)(path, dtype, max_sequence_length)
+        entry = FLOW_FAMILIES.get(family)
+        length = entry.max_sequence_length if max_sequence_length is None else int(max_sequence_length)
+        if length < 1:
+            raise ValueError(f"load_flow_model: max_sequence_length must be >= 1, got {length}")
+        model = _resolve(entry.load)(path, dtype, length)
     else:
         raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a diffusers pipeline "
                              f"directory) nor {FLOW_INDEX} (grouprl's layout)", str(path))

@@ -171,7 +171,8 @@ class FlowTrainer(TrainingLoop):
         if not actor.model.model_path:
             raise ConfigError("config key 'worker.actor.model.model_path' is not set")
         try:
-            self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device)
+            self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device,
+                                         max_sequence_length=actor.model.max_sequence_length)
         except ModelPathError as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
         if self.model.video and rollout.num_frames is None:
