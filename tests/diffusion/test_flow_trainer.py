@@ -262,3 +262,14 @@ def test_a_pairwise_judge_needs_whole_groups_in_each_reward_call(flow_config, tm
     config = flow_config(tmp_path, **{"worker.reward.functions": pairwise, "worker.rollout.micro_batch_size": 8,
                                       "worker.rollout.n": 4})
     assert config.worker.rollout.micro_batch_size == 8
+
+
+def test_video_frames_on_an_image_model_are_one_line_with_exit_2(flow_config, tmp_path, capsys):
+    from grouprl.config import redacted
+
+    config = flow_config(tmp_path / "run", **{"worker.rollout.num_frames": 5, "trainer.max_steps": 1})
+    path = tmp_path / "flow.yaml"
+    path.write_text(yaml.safe_dump(redacted(config)))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'worker.rollout.num_frames' is 5" in err[0] and "an image model (sd3)" in err[0]

@@ -273,6 +273,31 @@ def family_of_pipeline(class_name: Any) -> str:
                      "(and grouprl's own flow_model.json layout)")
 
 
+def _model_directory(path: str | Path) -> Path:
+    """``path`` as a Path when it is a directory holding one of the two indexes; ModelPathError otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelPathError(f"flow model path {str(path)!r} is not a directory"
+                             + ("" if path.exists() else " (it does not exist)"), str(path))
+    if not (path / FLOW_INDEX).is_file() and not (path / MODEL_INDEX).is_file():
+        raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a diffusers pipeline "
+                             f"directory) nor {FLOW_INDEX} (grouprl's layout)", str(path))
+    return path
+
+
+def family_of_path(path: str | Path) -> str:
+    """The family of the model directory ``path`` from its index alone (nothing loaded): its pipeline
+    class's, or ``sd3`` for grouprl's own layout (an SD3 transformer). ModelPathError / ValueError as
+    ``load_flow_model`` would raise them."""
+    path = _model_directory(path)
+    if (path / FLOW_INDEX).is_file():
+        return "sd3"
+    try:
+        return family_of_pipeline(_read_index(path, MODEL_INDEX).get("_class_name"))
+    except ValueError as error:
+        raise ValueError(f"load_flow_model: {path / MODEL_INDEX}: {error}") from None
+
+
 def _resolve(reference: Any):
     if callable(reference):
         return reference
@@ -293,25 +318,15 @@ def load_flow_model(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     and Wan's); None: the family's pipeline default (``FlowFamily.max_sequence_length``:
     SD3 256, the others 512). grouprl's own layout has no such length (one CLIP).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelPathError(f"flow model path {str(path)!r} is not a directory"
-                             + ("" if path.exists() else " (it does not exist)"), str(path))
+    path = _model_directory(path)
     if (path / FLOW_INDEX).is_file():
         model = _load_flow_layout(path, dtype)
-    elif (path / MODEL_INDEX).is_file():
-        try:
-            family = family_of_pipeline(_read_index(path, MODEL_INDEX).get("_class_name"))
-        except ValueError as error:
-            raise ValueError(f"load_flow_model: {path / MODEL_INDEX}: {error}") from None
-        entry = FLOW_FAMILIES.get(family)
+    else:
+        entry = FLOW_FAMILIES.get(family_of_path(path))
         length = entry.max_sequence_length if max_sequence_length is None else int(max_sequence_length)
         if length < 1:
             raise ValueError(f"load_flow_model: max_sequence_length must be >= 1, got {length}")
         model = _resolve(entry.load)(path, dtype, length)
-    else:
-        raise ModelPathError(f"flow model path {str(path)!r} has neither {MODEL_INDEX} (a diffusers pipeline "
-                             f"directory) nor {FLOW_INDEX} (grouprl's layout)", str(path))
     for module in [*model.text_encoders, model.vae]:
         if module is not None:
             module.requires_grad_(False).eval()

@@ -151,7 +151,7 @@ class FlowTrainer(TrainingLoop):
 
         require_diffusers()
         resolve_flow_defaults(config)  # a FlowConfig built in code, not through flow_config_from_dict
-        from grouprl.domains.diffusion.models import load_flow_model
+        from grouprl.domains.diffusion.models import FLOW_FAMILIES, family_of_path, load_flow_model
         from grouprl.domains.diffusion.rewards import ImageRewardSet
         from grouprl.trainer.policy import build_scheduler
 
@@ -171,16 +171,21 @@ class FlowTrainer(TrainingLoop):
         if not actor.model.model_path:
             raise ConfigError("config key 'worker.actor.model.model_path' is not set")
         try:
+            # the family from the model's index, so that a crossed video / image setting stops before the load
+            name = family_of_path(actor.model.model_path)
+        except (ModelPathError, ValueError) as exc:
+            raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
+        if FLOW_FAMILIES.get(name).video and rollout.num_frames is None:
+            raise ConfigError(f"config key 'worker.rollout.num_frames' is not set, and {actor.model.model_path} is a "
+                              f"text-to-video model ({name}): set the frames per video")
+        if not FLOW_FAMILIES.get(name).video and rollout.num_frames is not None:
+            raise ConfigError(f"config key 'worker.rollout.num_frames' is {rollout.num_frames}, but "
+                              f"{actor.model.model_path} is an image model ({name}): remove it")
+        try:
             self.model = load_flow_model(actor.model.model_path, dtype=self.precision.load_dtype, device=self.device,
                                          max_sequence_length=actor.model.max_sequence_length)
         except ModelPathError as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
-        if self.model.video and rollout.num_frames is None:
-            raise ConfigError(f"config key 'worker.rollout.num_frames' is not set, and {actor.model.model_path} is a "
-                              f"text-to-video model ({self.model.family}): set the frames per video")
-        if not self.model.video and rollout.num_frames is not None:
-            raise ConfigError(f"config key 'worker.rollout.num_frames' is {rollout.num_frames}, but "
-                              f"{actor.model.model_path} is an image model ({self.model.family}): remove it")
         self.policy = self._add_lora(self.model.transformer, actor.model.lora)
         self.prepare_policy()
         from grouprl.domains.diffusion.ema import EMAWeights
