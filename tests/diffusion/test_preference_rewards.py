@@ -389,7 +389,8 @@ def direct_image_reward(model, mlp, tokenizer_dir, imgs, prompts):
 def test_the_published_image_reward_checkpoint_scores_as_the_model_it_was_written_from(published_image_reward):
     root, model, mlp = published_image_reward
     imgs = images()
-    prompts = [*PROMPTS[:4], " ".join(PROMPTS * 3)]
+    # "[ENC]" is one token only with BLIP's special tokens added; the last prompt is truncated to 35 tokens
+    prompts = [*PROMPTS[:3], "a blue [ENC] circle", " ".join(PROMPTS * 3)]
     kwargs = {"model": str(root / "published"), "tokenizer": str(root / "bert"), "batch_size": 2}
     scores = score_images([{"name": "image_reward", "kwargs": kwargs}], imgs, prompts).components["image_reward"]
     expected = direct_image_reward(model, mlp, root / "bert", imgs, prompts)
