@@ -269,8 +269,180 @@ def test_image_reward_is_the_normalised_mlp_of_the_cross_attended_cls_state(tiny
 
 def test_image_reward_directory_without_the_head(tiny_image_reward, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=rf"image_reward: {tmp_path} has no image_reward_mlp.safetensors"):
+    with pytest.raises(FileNotFoundError, match=rf"image_reward: {re.escape(str(tmp_path))} holds neither ImageReward.pt "
+                                                r"\(the published checkpoint\) nor image_reward_mlp.safetensors"):
         pr.image_reward_reward(images(1), PROMPTS[:1], model=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- ImageReward's published checkpoint
+
+VIT_DEPTH, TEXT_DEPTH = 2, 2
+
+
+def scramble(module, seed):
+    """Every tensor random and distinct (LayerNorm gains around 1, the rest of unit gain), so that a tensor loaded
+    into the wrong place -- even one of the same shape, norm1 for norm2 -- changes the scores."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            else:
+                p.copy_(noise * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.3))
+    return module
+
+
+def image_reward_original_layout(model, mlp):
+    """The tiny transformers BLIP's tensors under the names ImageReward's own modules give them, written here
+    from the original code (THUDM/ImageReward, ImageReward/models/BLIP): ImageReward.blip is BLIP_Pretrain
+    (blip_pretrain.py: visual_encoder, text_encoder, vision_proj, text_proj), its visual_encoder vit.py's
+    VisionTransformer (patch_embed.proj, cls_token, pos_embed, blocks.N.{norm1, attn.qkv, attn.proj, norm2,
+    mlp.fc1, mlp.fc2}, norm; Attention.qkv is ONE Linear(dim, 3 * dim) read as (3, heads, head_dim), as
+    transformers' BlipAttention.qkv is: copied whole), its text_encoder med.py's BertModel(add_pooling_layer=False)
+    (no token_type_embeddings; position_ids a persistent buffer); ImageReward.mlp the MLP (layers.0 ... layers.7)."""
+    hf = model.state_dict()
+    used, out = set(), {}
+
+    def put(original, name):
+        used.add(name)
+        out[original] = hf[name]
+
+    for p in ("weight", "bias"):
+        put(f"blip.visual_encoder.patch_embed.proj.{p}", f"vision_model.embeddings.patch_embedding.{p}")
+        put(f"blip.visual_encoder.norm.{p}", f"vision_model.post_layernorm.{p}")
+        put(f"blip.vision_proj.{p}", f"vision_proj.{p}")
+        put(f"blip.text_proj.{p}", f"text_proj.{p}")
+        put(f"blip.text_encoder.embeddings.LayerNorm.{p}", f"text_encoder.embeddings.LayerNorm.{p}")
+        for i in range(VIT_DEPTH):
+            for original, name in [("norm1", "layer_norm1"), ("attn.qkv", "self_attn.qkv"),
+                                   ("attn.proj", "self_attn.projection"), ("norm2", "layer_norm2"),
+                                   ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")]:
+                put(f"blip.visual_encoder.blocks.{i}.{original}.{p}", f"vision_model.encoder.layers.{i}.{name}.{p}")
+        for i in range(TEXT_DEPTH):
+            for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                         "attention.output.dense", "attention.output.LayerNorm", "crossattention.self.query",
+                         "crossattention.self.key", "crossattention.self.value", "crossattention.output.dense",
+                         "crossattention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"):
+                put(f"blip.text_encoder.encoder.layer.{i}.{part}.{p}", f"text_encoder.encoder.layer.{i}.{part}.{p}")
+        for j in (0, 2, 4, 6, 7):
+            out[f"mlp.layers.{j}.{p}"] = mlp.state_dict()[f"layers.{j}.{p}"]
+    put("blip.visual_encoder.cls_token", "vision_model.embeddings.class_embedding")
+    put("blip.visual_encoder.pos_embed", "vision_model.embeddings.position_embedding")
+    for name in ("word_embeddings", "position_embeddings"):
+        put(f"blip.text_encoder.embeddings.{name}.weight", f"text_encoder.embeddings.{name}.weight")
+    out["blip.text_encoder.embeddings.position_ids"] = torch.arange(64).expand((1, -1))
+    assert used == set(hf) - {"itm_head.weight", "itm_head.bias"}  # every tensor of the towers has its original
+    assert len(out) == 6 + 12 * VIT_DEPTH + 4 + 1 + 26 * TEXT_DEPTH + 4 + 10
+    return out
+
+
+TINY_MED_CONFIG = {  # med_config.json's fields at the tiny sizes; encoder_width wrong as in the published file
+    "architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1, "hidden_size": 16, "initializer_range": 0.02, "intermediate_size": 32,
+    "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
+    "num_hidden_layers": TEXT_DEPTH, "pad_token_id": 0, "type_vocab_size": 2, "encoder_width": 768,
+    "add_cross_attention": True}
+
+
+@pytest.fixture(scope="module")
+def published_image_reward(tmp_path_factory):
+    """A tiny random BLIP (ViT 128 wide: two of BLIP's 64-wide heads) and ImageReward MLP, saved as the published
+    THUDM/ImageReward is (ImageReward.pt in the original layout, med_config.json), and a BERT tokenizer."""
+    from transformers import BertTokenizer, BlipConfig, BlipForImageTextRetrieval
+
+    root = tmp_path_factory.mktemp("published_image_reward")
+    words = sorted({w for p in PROMPTS for w in p.split()})
+    (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizer(str(root / "vocab.txt")).save_pretrained(root / "bert")
+    vocab = len(words) + 5 + 2  # + BLIP's [DEC] and [ENC], as the published 30524 = 30522 + 2
+    config = BlipConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=TEXT_DEPTH,
+                         num_attention_heads=2, encoder_hidden_size=128, max_position_embeddings=64, pad_token_id=0),
+        vision_config=dict(hidden_size=128, intermediate_size=32, num_hidden_layers=VIT_DEPTH, num_attention_heads=2,
+                           image_size=16, patch_size=8, layer_norm_eps=1e-6),
+        projection_dim=16, image_text_hidden_size=16)
+    model = scramble(BlipForImageTextRetrieval(config), seed=5).eval()
+    mlp = sensitive_mlp(16, seed=6)
+    (root / "published").mkdir()
+    torch.save(image_reward_original_layout(model, mlp), root / "published" / "ImageReward.pt")
+    (root / "published" / "med_config.json").write_text(json.dumps({**TINY_MED_CONFIG, "vocab_size": vocab}))
+    return root, model, mlp
+
+
+def direct_image_reward(model, mlp, tokenizer_dir, imgs, prompts):
+    """The formula on the transformers model itself (BLIP's image-text matching pass keeps the text encoder's
+    states), the tokenizer with BLIP's [DEC] and [ENC] added as ImageReward's init_tokenizer does."""
+    from transformers import BertTokenizer
+
+    tokenizer = BertTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
+    text = tokenizer(prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+    with torch.no_grad():
+        out = model(input_ids=text["input_ids"], attention_mask=text["attention_mask"], use_itm_head=True,
+                    pixel_values=torch.stack([image_reward_pixels(image) for image in imgs]))
+        raw = mlp(out.question_embeds[:, 0, :]).squeeze(1)
+    return ((raw - 0.16717362830052426) / 1.0333394966054072).tolist()
+
+
+def test_the_published_image_reward_checkpoint_scores_as_the_model_it_was_written_from(published_image_reward):
+    root, model, mlp = published_image_reward
+    imgs = images()
+    # "[ENC]" is one token only with BLIP's special tokens added; the last prompt is truncated to 35 tokens
+    prompts = [*PROMPTS[:3], "a blue [ENC] circle", " ".join(PROMPTS * 3)]
+    kwargs = {"model": str(root / "published"), "tokenizer": str(root / "bert"), "batch_size": 2}
+    scores = score_images([{"name": "image_reward", "kwargs": kwargs}], imgs, prompts).components["image_reward"]
+    expected = direct_image_reward(model, mlp, root / "bert", imgs, prompts)
+    assert scores == pytest.approx(expected, **TOL)
+    assert len(set(round(x, 4) for x in scores)) == 5
+    pr.clear_model_cache()  # the file itself, med_config.json found beside it
+    assert pr.image_reward_reward(imgs, prompts, **{**kwargs, "model": str(root / "published" / "ImageReward.pt")}) \
+        == pytest.approx(expected, **TOL)
+
+
+def test_the_default_image_reward_is_the_hub_id_in_the_local_cache(published_image_reward, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    root, model, mlp = published_image_reward
+    repo = tmp_path / "hub" / "models--THUDM--ImageReward"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots").mkdir()
+    (repo / "snapshots" / ("0" * 40)).symlink_to(root / "published", target_is_directory=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    scores = pr.image_reward_reward(images(2), PROMPTS[:2], tokenizer=str(root / "bert"))
+    assert scores == pytest.approx(direct_image_reward(model, mlp, root / "bert", images(2), PROMPTS[:2]), **TOL)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"add": "blip.itm_head.weight"}, r"unexpected keys, not in ImageReward's layout: blip\.itm_head\.weight"),
+    ({"add": "blip.text_encoder.encoder.layer.2.output.dense.bias"},  # a layer med_config.json does not have
+     r"unexpected keys blip\.text_encoder\.encoder\.layer\.2\.output\.dense\.bias"),
+    ({"drop": "blip.text_encoder.encoder.layer.1.crossattention.self.key.weight"},
+     r"missing keys blip\.text_encoder\.encoder\.layer\.1\.crossattention\.self\.key\.weight"),
+    ({"drop": "blip.visual_encoder.blocks.0.attn.qkv.bias"}, r"missing keys blip\.visual_encoder\.blocks\.0\.attn\.qkv\.bias"),
+    ({"drop": "blip.visual_encoder.cls_token"}, r"missing key blip\.visual_encoder\.cls_token"),
+])
+def test_a_published_image_reward_checkpoint_with_a_wrong_key_names_it(published_image_reward, tmp_path, edit, message):
+    root, _, _ = published_image_reward
+    state = torch.load(root / "published" / "ImageReward.pt", weights_only=True)
+    if "add" in edit:
+        state[edit["add"]] = torch.zeros(2)
+    else:
+        del state[edit["drop"]]
+    torch.save(state, tmp_path / "ImageReward.pt")
+    (tmp_path / "med_config.json").write_text((root / "published" / "med_config.json").read_text())
+    with pytest.raises(ValueError, match=rf"image_reward: {re.escape(str(tmp_path / 'ImageReward.pt'))}\b.*{message}"):
+        pr.image_reward_reward(images(1), PROMPTS[:1], model=str(tmp_path), tokenizer=str(root / "bert"))
+
+
+def test_a_published_image_reward_checkpoint_without_med_config_names_it(published_image_reward, tmp_path):
+    root, _, _ = published_image_reward
+    (tmp_path / "ImageReward.pt").symlink_to(root / "published" / "ImageReward.pt")
+    with pytest.raises(FileNotFoundError, match=rf"image_reward: med_config '{re.escape(str(tmp_path))}/med_config.json' "
+                                                r"is neither an existing path"):
+        pr.image_reward_reward(images(1), PROMPTS[:1], model=str(tmp_path), tokenizer=str(root / "bert"))
 
 
 # ---------------------------------------------------------------------------- missing weights, bad options
@@ -289,8 +461,6 @@ def test_missing_weights_name_the_path_and_the_extra(name, kwargs, extra, tmp_pa
     with pytest.raises(FileNotFoundError, match=rf"{name}: model '{re.escape(missing)}' is neither .*; .*{extra}"):
         getattr(pr, f"{name}_reward" if name != "image_reward" else "image_reward_reward")(
             images(1), PROMPTS[:1], model=missing, **kwargs)
-    if name == "image_reward":
-        return  # no default hub id: the published weights are not in transformers' layout
     with pytest.raises(RewardError, match=rf"{name}: model '[^']+/[^']+'.* is neither an existing path nor a hub id in "
                                           r"the local Hugging Face cache"):  # the default: the published hub id
         score_images([{"name": name, "kwargs": kwargs}], images(1), PROMPTS[:1])

@@ -7,8 +7,9 @@ LOCAL weights named by its options (``model=`` a path, or a hub id found in the 
 Hugging Face cache: nothing is downloaded, as with ``HF_HUB_OFFLINE=1``), through the
 library the original uses (transformers' CLIP for PickScore, CLIP score and the
 aesthetic predictor's image tower; open_clip for HPSv2; transformers' BLIP for
-ImageReward), and scores as Flow-GRPO (github.com/yifan123/flow_grpo) does; each
-function's docstring names its source file and the formula.
+ImageReward, whose published checkpoint in BLIP's own layout is converted on load), and
+scores as Flow-GRPO (github.com/yifan123/flow_grpo) does; each function's docstring
+names its source file and the formula.
 
 Common options: ``device`` (default ``"cpu"``) and ``batch_size`` (images per forward
 pass, default 16: the scores do not depend on it). A model is loaded once per (reward,
@@ -19,6 +20,8 @@ gradients off.
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,12 +375,207 @@ def hpsv2_reward(
     return scores
 
 
+# ---------------------------------------------------------------------------- ImageReward's published checkpoint
+
+IMAGE_REWARD_HUB_ID = "THUDM/ImageReward"
+IMAGE_REWARD_CHECKPOINT = "ImageReward.pt"
+IMAGE_REWARD_MED_CONFIG = "med_config.json"
+IMAGE_REWARD_TOKENIZER = "google-bert/bert-base-uncased"
+# ImageReward's tokenizer is bert-base-uncased plus BLIP's two special tokens (ImageReward/models/BLIP/blip.py,
+# init_tokenizer); the published text encoder's vocabulary (30524) counts them.
+_BLIP_SPECIAL_TOKENS = ({"bos_token": "[DEC]"}, {"additional_special_tokens": ["[ENC]"]})
+# BLIP's ViTs (blip.py, create_vit: base 768 wide with 12 heads, large 1024 wide with 16) have 64-wide heads;
+# the head count is not in the weights. Their LayerNorms use eps 1e-6 (vit.py; transformers' default is 1e-5).
+_BLIP_VIT_HEAD_DIM = 64
+_BLIP_VIT_LAYER_NORM_EPS = 1e-6
+
+# (original name, transformers name), "{i}" a layer index; a name ending in "." renames a module and keeps the
+# tensor names under it. Original names: ImageReward/models/BLIP/vit.py (VisionTransformer: patch_embed.proj,
+# cls_token, pos_embed, blocks.N.{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}, norm), med.py (BLIP's
+# fork of BERT: the same names as transformers' BlipTextModel) and ImageReward.py (ImageReward.blip,
+# ImageReward.mlp); transformers' names: BlipForImageTextRetrieval (modeling_blip.py, modeling_blip_text.py).
+_IMAGE_REWARD_KEYS = (
+    ("blip.visual_encoder.cls_token", "vision_model.embeddings.class_embedding"),
+    ("blip.visual_encoder.pos_embed", "vision_model.embeddings.position_embedding"),
+    ("blip.visual_encoder.patch_embed.proj.", "vision_model.embeddings.patch_embedding."),
+    ("blip.visual_encoder.blocks.{i}.norm1.", "vision_model.encoder.layers.{i}.layer_norm1."),
+    # q, k and v are one fused Linear in both, rows [q; k; v] read as (3, heads, head_dim): copied as is.
+    ("blip.visual_encoder.blocks.{i}.attn.qkv.", "vision_model.encoder.layers.{i}.self_attn.qkv."),
+    ("blip.visual_encoder.blocks.{i}.attn.proj.", "vision_model.encoder.layers.{i}.self_attn.projection."),
+    ("blip.visual_encoder.blocks.{i}.norm2.", "vision_model.encoder.layers.{i}.layer_norm2."),
+    ("blip.visual_encoder.blocks.{i}.mlp.", "vision_model.encoder.layers.{i}.mlp."),
+    ("blip.visual_encoder.norm.", "vision_model.post_layernorm."),
+    ("blip.text_encoder.", "text_encoder."),
+    ("mlp.layers.", "mlp.layers."),
+)
+# Tensors of ImageReward's BLIP_Pretrain that the score does not use: the contrastive projections and BERT's
+# position_ids buffer (an arange that transformers builds itself).
+_IMAGE_REWARD_UNUSED = frozenset({"blip.vision_proj.weight", "blip.vision_proj.bias", "blip.text_proj.weight",
+                                  "blip.text_proj.bias", "blip.text_encoder.embeddings.position_ids"})
+
+
+def _rename(key: str, table: Sequence[tuple[str, str]]) -> str | None:
+    """``key`` renamed by the first (source, target) template of ``table`` it matches; None if none does."""
+    for source, target in table:
+        head = r"(\d+)".join(re.escape(part) for part in source.split("{i}"))
+        match = re.fullmatch(head + ("(.+)" if source.endswith(".") else "()"), key)
+        if match:
+            *index, rest = match.groups()
+            return (target.replace("{i}", index[0]) if index else target) + rest
+    return None
+
+
+def convert_image_reward_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """ImageReward's published state dict (``ImageReward.pt``: the ImageReward module of
+    ImageReward/ImageReward.py, keys ``blip.visual_encoder.*``, ``blip.text_encoder.*``, ``mlp.layers.*``) under
+    transformers' names: ``vision_model.*`` and ``text_encoder.*`` as in ``BlipForImageTextRetrieval``, the MLP
+    as ``mlp.layers.N.*`` (:func:`preference_mlp`). The tensors are the same objects (no copy, no reshape: the
+    ViT's fused qkv is fused in transformers too); the contrastive projections and BERT's ``position_ids`` are
+    dropped (unused by the score).
+
+    Raises ValueError naming the keys that are neither mapped nor known to be unused.
+    """
+    converted, unexpected = {}, []
+    for key, value in state.items():
+        if key in _IMAGE_REWARD_UNUSED:
+            continue
+        name = _rename(key, _IMAGE_REWARD_KEYS)
+        if name is None:
+            unexpected.append(key)
+        else:
+            converted[name] = value
+    if unexpected:
+        raise ValueError(f"unexpected keys, not in ImageReward's layout: {_some(unexpected)}")
+    return converted
+
+
+def image_reward_original_key(name: str) -> str:
+    """The published checkpoint's key for a converted key (the inverse of :func:`convert_image_reward_state_dict`'s
+    renaming), for error messages; ``name`` itself where no template matches."""
+    return _rename(name, [(target, source) for source, target in _IMAGE_REWARD_KEYS]) or name
+
+
+def _some(keys: Sequence[str], shown: int = 5) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
+def image_reward_blip_configs(state: dict[str, Any], med_config: dict[str, Any]) -> tuple[Any, Any]:
+    """The transformers ``(BlipVisionConfig, BlipTextConfig)`` of a converted ImageReward state dict.
+
+    The ViT's sizes are read from the weights (BLIP_Pretrain builds it from the name 'large' and the image size,
+    neither stored): width = class_embedding's last dim, patch = the patch conv's kernel, image size = patch *
+    sqrt(positions - 1), depth = the number of layers, MLP width = fc1's rows, heads = width / 64, LayerNorm
+    eps 1e-6. The text encoder's are med_config.json's BERT fields; its cross-attention width is the ViT's, as
+    BLIP_Pretrain sets ``encoder_width = vision_width`` whatever med_config.json says (the published file says
+    768 for a 1024-wide ViT-L). Raises ValueError naming a missing tensor or field.
+    """
+    import math
+
+    from transformers import BlipTextConfig, BlipVisionConfig
+
+    def tensor(name: str) -> Any:
+        if name not in state:
+            raise ValueError(f"missing key {image_reward_original_key(name)}")
+        return state[name]
+
+    width = int(tensor("vision_model.embeddings.class_embedding").shape[-1])
+    patch = int(tensor("vision_model.embeddings.patch_embedding.weight").shape[-1])
+    positions = int(tensor("vision_model.embeddings.position_embedding").shape[1])
+    grid = math.isqrt(positions - 1)
+    if grid * grid != positions - 1 or width % _BLIP_VIT_HEAD_DIM:
+        raise ValueError(f"blip.visual_encoder is not one of BLIP's ViTs: {positions - 1} patches (not a square) or "
+                         f"width {width} (not a multiple of {_BLIP_VIT_HEAD_DIM})")
+    layers = 1 + max((int(k.split(".")[3]) for k in state if k.startswith("vision_model.encoder.layers.")), default=-1)
+    vision = BlipVisionConfig(
+        hidden_size=width, patch_size=patch, image_size=grid * patch, num_hidden_layers=layers,
+        intermediate_size=int(tensor("vision_model.encoder.layers.0.mlp.fc1.weight").shape[0]),
+        num_attention_heads=width // _BLIP_VIT_HEAD_DIM, layer_norm_eps=_BLIP_VIT_LAYER_NORM_EPS)
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    absent = [field for field in required if field not in med_config]
+    if absent:
+        raise ValueError(f"{IMAGE_REWARD_MED_CONFIG} has no {', '.join(absent)}")
+    text = BlipTextConfig(
+        **{field: med_config[field] for field in required}, encoder_hidden_size=width,
+        max_position_embeddings=med_config.get("max_position_embeddings", 512),
+        hidden_act=med_config.get("hidden_act", "gelu"), layer_norm_eps=med_config.get("layer_norm_eps", 1e-12),
+        pad_token_id=med_config.get("pad_token_id", 0), bos_token_id=None, eos_token_id=None, sep_token_id=None)
+    return vision, text
+
+
 # ---------------------------------------------------------------------------- ImageReward (transformers BLIP)
 
 
+@dataclass
+class _ImageRewardNet:
+    vision: Any     # BlipVisionModel (ImageReward's blip.visual_encoder)
+    text: Any       # BlipTextModel with cross-attention (blip.text_encoder)
+    mlp: Any
+    tokenizer: Any
+    preprocess: Any
+
+
+def _image_reward_transform(size: int):
+    """ImageReward's own _transform (torchvision on the PIL image), not BLIP's processor (a 384 px squash)."""
+    from torchvision import transforms
+
+    return transforms.Compose([
+        transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size),
+        transforms.ToTensor(), transforms.Normalize(_CLIP_MEAN, _CLIP_STD)])
+
+
+def _load_image_reward_transformers(path: Path, head: Path, device: str) -> _ImageRewardNet:
+    from transformers import AutoTokenizer, BlipForImageTextRetrieval
+
+    blip = BlipForImageTextRetrieval.from_pretrained(str(path), local_files_only=True, dtype="float32").to(device)
+    return _ImageRewardNet(blip.vision_model.eval(), blip.text_encoder.eval(),
+                           _load_mlp(head, reward="image_reward").to(device),
+                           AutoTokenizer.from_pretrained(str(path), local_files_only=True),
+                           _image_reward_transform(blip.config.vision_config.image_size))
+
+
+def _load_image_reward_published(checkpoint: Path, med_config: Path, tokenizer: Path, device: str) -> _ImageRewardNet:
+    """The published checkpoint through :func:`convert_image_reward_state_dict` into transformers' BLIP towers
+    and :func:`preference_mlp`; every tensor of the towers and the MLP must be in the file (and nothing else)."""
+    import json
+
+    from transformers import AutoTokenizer, BlipTextModel, BlipVisionModel
+
+    try:
+        state = convert_image_reward_state_dict(_load_state_dict(checkpoint))
+        vision_config, text_config = image_reward_blip_configs(state, json.loads(med_config.read_text()))
+    except ValueError as exc:
+        raise ValueError(f"image_reward: {checkpoint}: {exc}") from None
+    parts = {"vision_model.": BlipVisionModel(vision_config), "text_encoder.": BlipTextModel(text_config,
+             add_pooling_layer=False), "mlp.": preference_mlp(text_config.hidden_size)}
+    expected = {prefix + key for prefix, module in parts.items() for key in module.state_dict()}
+    missing = sorted(image_reward_original_key(key) for key in expected - state.keys())
+    unexpected = sorted(image_reward_original_key(key) for key in state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"image_reward: {checkpoint} does not fit ImageReward's network (ViT read from the weights, "
+                         f"text encoder from {med_config}): " + "; ".join(
+                             f"{what} keys {_some(keys)}" for what, keys in (("missing", missing),
+                                                                            ("unexpected", unexpected)) if keys))
+    for prefix, module in parts.items():
+        try:
+            module.load_state_dict({key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)})
+        except RuntimeError as exc:  # a shape that med_config.json does not give: torch names the tensor
+            detail = " ".join(line.strip() for line in str(exc).splitlines()[1:])
+            raise ValueError(f"image_reward: {checkpoint} does not fit {med_config}: {detail}") from None
+    words = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    for special in _BLIP_SPECIAL_TOKENS:
+        words.add_special_tokens(special)
+    if len(words) > text_config.vocab_size:
+        raise ValueError(f"image_reward: the tokenizer {tokenizer} has {len(words)} tokens with BLIP's [DEC] and "
+                         f"[ENC], the text encoder of {checkpoint} {text_config.vocab_size}")
+    vision, text, mlp = (module.to(device).eval() for module in parts.values())
+    return _ImageRewardNet(vision, text, mlp, words, _image_reward_transform(vision_config.image_size))
+
+
 def image_reward_reward(
-    images: Sequence[Any], prompts: Sequence[str], *, model: str, device: str = "cpu", batch_size: int = 16,
-    **metadata: Any,
+    images: Sequence[Any], prompts: Sequence[str], *, model: str = IMAGE_REWARD_HUB_ID,
+    tokenizer: str = IMAGE_REWARD_TOKENIZER, med_config: str | None = None, device: str = "cpu",
+    batch_size: int = 16, **metadata: Any,
 ) -> list[float]:
     """ImageReward (Xu et al. 2023) as the image-reward package scores it (ImageReward/ImageReward.py,
     ``ImageReward.score``; flow_grpo/imagereward_scorer.py calls its ``inference_rank``, the same values):
@@ -386,15 +584,25 @@ def image_reward_reward(
 
     The image-reward package (1.5) does not import under transformers 5 (its BLIP text
     model uses helpers transformers removed) and pins timm 0.6.13; the same network is
-    built here from transformers' BLIP: ``model`` is a directory holding a
-    ``BlipForImageTextRetrieval`` checkpoint (its ``vision_model`` and ``text_encoder``
-    are used; BLIP ViT-L needs ``layer_norm_eps=1e-6`` in its vision config), the BERT
-    tokenizer, and ``image_reward_mlp.safetensors`` (the MLP, keys ``layers.N.*``; see
-    :func:`preference_mlp`). Images are preprocessed by ImageReward's ``_transform``
-    (torchvision: the shorter side resized to the vision model's image size, bicubic,
-    centre crop, CLIP's normalisation), not by BLIP's image processor; prompts are padded
-    and truncated to 35 tokens. ImageReward scores one image per
-    forward pass; here ``batch_size`` images at once (the same values).
+    built here from transformers' BLIP. ``model`` (a path, or a hub id in the local cache)
+    is either
+
+    - the published checkpoint: ``ImageReward.pt`` (THUDM/ImageReward; a torch state dict
+      loaded tensors-only, in BLIP's own layout, converted by
+      :func:`convert_image_reward_state_dict`) or a directory holding it, with
+      ``med_config.json`` beside it (or at ``med_config``); the tokenizer is ``tokenizer``
+      (bert-base-uncased) with BLIP's ``[DEC]`` and ``[ENC]`` added, as ImageReward's
+      ``init_tokenizer`` does; or
+    - a directory holding a ``BlipForImageTextRetrieval`` checkpoint (its ``vision_model``
+      and ``text_encoder``; BLIP ViT-L needs ``layer_norm_eps=1e-6`` in its vision config),
+      the BERT tokenizer, and ``image_reward_mlp.safetensors`` (the MLP, keys
+      ``layers.N.*``; see :func:`preference_mlp`).
+
+    Images are preprocessed by ImageReward's ``_transform`` (torchvision: the shorter side
+    resized to the vision model's image size, bicubic, centre crop, CLIP's normalisation),
+    not by BLIP's image processor; prompts are padded and truncated to 35 tokens.
+    ImageReward scores one image per forward pass; here ``batch_size`` images at once (the
+    same values).
     """
     _check_batch("image_reward", images, prompts, batch_size)
     if not images:
@@ -402,37 +610,35 @@ def image_reward_reward(
     import torch
 
     path = resolve_weights(model, reward="image_reward")
-    head = path / IMAGE_REWARD_HEAD_FILE
-    if not head.is_file():
-        raise FileNotFoundError(f"image_reward: {path} has no {IMAGE_REWARD_HEAD_FILE} (ImageReward's MLP); "
-                                f"{_needs(None)}")
+    checkpoint = path if path.is_file() else path / IMAGE_REWARD_CHECKPOINT
+    if checkpoint.is_file():
+        config_path = resolve_weights(med_config or str(checkpoint.parent / IMAGE_REWARD_MED_CONFIG),
+                                      reward="image_reward", option="med_config")
+        tokenizer_path = resolve_weights(tokenizer, reward="image_reward", option="tokenizer")
+        key: tuple = ("image_reward", str(checkpoint), str(config_path), str(tokenizer_path), device)
+        load = functools.partial(_load_image_reward_published, checkpoint, config_path, tokenizer_path, device)
+    else:
+        head = path / IMAGE_REWARD_HEAD_FILE
+        if not head.is_file():
+            raise FileNotFoundError(
+                f"image_reward: {path} holds neither {IMAGE_REWARD_CHECKPOINT} (the published checkpoint) nor "
+                f"{IMAGE_REWARD_HEAD_FILE} (ImageReward's MLP beside a transformers BLIP); {_needs(None)}")
+        key = ("image_reward", str(path), device)
+        load = functools.partial(_load_image_reward_transformers, path, head, device)
 
-    def load():
-        from torchvision import transforms
-        from transformers import AutoTokenizer, BlipForImageTextRetrieval
-
-        blip = BlipForImageTextRetrieval.from_pretrained(str(path), local_files_only=True, dtype="float32")
-        size = blip.config.vision_config.image_size
-        # ImageReward's own _transform (torchvision on the PIL image), not BLIP's processor (a 384 px squash).
-        preprocess = transforms.Compose([
-            transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(size),
-            transforms.ToTensor(), transforms.Normalize(_CLIP_MEAN, _CLIP_STD)])
-        mlp = _load_mlp(head, reward="image_reward").to(device)
-        return blip.to(device).eval(), preprocess, AutoTokenizer.from_pretrained(str(path), local_files_only=True), mlp
-
-    blip, preprocess, tokenizer, mlp = cached_model(("image_reward", str(path), device), load)
+    net = cached_model(key, load)
     scores: list[float] = []
     with torch.no_grad():
         for rows in _chunks(len(images), batch_size):
-            pixels = torch.stack([preprocess(image.convert("RGB")) for image in images[rows]]).to(device)
-            image_states = blip.vision_model(pixel_values=pixels).last_hidden_state
-            text = tokenizer(list(prompts[rows]), padding="max_length", truncation=True,
-                             max_length=IMAGE_REWARD_MAX_TOKENS, return_tensors="pt")
-            states = blip.text_encoder(
+            pixels = torch.stack([net.preprocess(image.convert("RGB")) for image in images[rows]]).to(device)
+            image_states = net.vision(pixel_values=pixels).last_hidden_state
+            text = net.tokenizer(list(prompts[rows]), padding="max_length", truncation=True,
+                                 max_length=IMAGE_REWARD_MAX_TOKENS, return_tensors="pt")
+            states = net.text(
                 input_ids=text["input_ids"].to(device), attention_mask=text["attention_mask"].to(device),
                 encoder_hidden_states=image_states,
                 encoder_attention_mask=torch.ones(image_states.shape[:-1], dtype=torch.long, device=device),
             ).last_hidden_state
-            rewards = (mlp(states[:, 0, :].float()).squeeze(1) - IMAGE_REWARD_MEAN) / IMAGE_REWARD_STD
+            rewards = (net.mlp(states[:, 0, :].float()).squeeze(1) - IMAGE_REWARD_MEAN) / IMAGE_REWARD_STD
             scores.extend(rewards.cpu().tolist())
     return scores
