@@ -1,7 +1,9 @@
 """`grouprl demo --flow`: Flow-GRPO-Fast on a tiny flow model, on a CPU, offline.
 
 1. Build a tiny pixel-space SD3 transformer (16 x 16 RGB) with a tiny CLIP text
-   encoder (``tiny.build_tiny_pixel_flow``).
+   encoder (``tiny.build_tiny_pixel_flow``); with ``--model flux`` or ``--model qwen-image``
+   a tiny pixel-space stand-in of that family instead (``MODELS``: a FluxPipeline of
+   FLUX.1-schnell's kind, a QwenImagePipeline, each saved without a VAE).
 2. Pretrain it with the rectified-flow loss on synthetic images of coloured squares
    placed as a short prompt asks ("two red squares on the left"; ``shapes``), so it
    roughly follows prompts.
@@ -43,9 +45,43 @@ QUICK_NOTE_COMPARE = ("--quick is the comparison made small (its numbers are noi
                       "grouprl demo --flow --compare.")
 
 
-def flow_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, seed: int) -> dict:
-    """The Flow-GRPO-Fast run of the demo, as a plain config dict (``kind: flow``)."""
-    return {
+def _build_sd3(out: Path, seed: int) -> Path:
+    from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
+
+    return build_tiny_pixel_flow(out, seed=seed, image_size=IMAGE_SIZE)
+
+
+def _build_flux(out: Path, seed: int) -> Path:
+    # schnell's kind: no guidance embedding and no resolution shift, as the SD3 demo model has neither
+    from grouprl.domains.diffusion.families.flux import build_tiny_flux_pipeline
+
+    return build_tiny_flux_pipeline(out, seed=seed, vae=False, variant="schnell", image_size=IMAGE_SIZE,
+                                    num_layers=2, num_single_layers=2, num_attention_heads=4, attention_head_dim=16,
+                                    embed_dim=64)
+
+
+def _build_qwen_image(out: Path, seed: int) -> Path:
+    from grouprl.domains.diffusion.families.qwen_image import build_tiny_qwen_image_pipeline
+
+    return build_tiny_qwen_image_pipeline(out, seed=seed, vae=False, image_size=IMAGE_SIZE, num_layers=4,
+                                          num_attention_heads=4, attention_head_dim=16, text_hidden_size=64)
+
+
+# text-encoder tokens per prompt of the stand-ins with a T5 / Qwen2.5-VL encoder: the task's prompts are at most
+# 8 words, and the pipelines' 512 would make every step attend over hundreds of padding tokens
+PROMPT_TOKENS = 16
+
+# `--model`: the tiny pixel-space model the demo pretrains and trains: (its description, its builder)
+MODELS = {"sd3": ("tiny SD3 transformer", _build_sd3),
+          "flux": ("tiny FLUX.1 transformer (schnell's kind)", _build_flux),
+          "qwen-image": ("tiny Qwen-Image transformer", _build_qwen_image)}
+
+
+def flow_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, seed: int,
+                     max_sequence_length: int | None = None) -> dict:
+    """The Flow-GRPO-Fast run of the demo, as a plain config dict (``kind: flow``); ``max_sequence_length``:
+    the prompt length the model was pretrained with (a stand-in with a T5 / Qwen2.5-VL encoder)."""
+    config = {
         "kind": "flow",
         "data": {"train_files": [str(prompts)], "rollout_batch_size": sizes["prompts_per_step"], "seed": seed},
         "algorithm": {
@@ -66,13 +102,16 @@ def flow_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, se
                     "max_steps": sizes["grpo_steps"], "logger": ["console", "jsonl"], "save_freq": -1,
                     "save_limit": 1, "val_freq": -1, "seed": seed, "device": "cpu"},
     }
+    if max_sequence_length is not None:
+        config["worker"]["actor"]["model"]["max_sequence_length"] = max_sequence_length
+    return config
 
 
 def nft_demo_config(out: Path, model_path: Path, prompts: Path, sizes: dict, seed: int,
-                    max_wall_seconds: float | None = None) -> dict:
+                    max_wall_seconds: float | None = None, max_sequence_length: int | None = None) -> dict:
     """The DiffusionNFT run of ``--flow --compare``: the Fast run's model, prompts, group, LoRA and optimizer,
     with DiffusionNFT's sampler (the 10-step ODE from the old adapter, no guidance) and loss."""
-    config = flow_demo_config(out, model_path, prompts, sizes, seed)
+    config = flow_demo_config(out, model_path, prompts, sizes, seed, max_sequence_length)
     config["algorithm"] = {"name": "diffusion_nft", "global_std": True, "kl_coef": 0.0,
                            "timestep_fraction": NFT_TIMESTEP_FRACTION, "nft": {"beta": NFT_BETA}}
     config["worker"]["rollout"]["noise_level"] = 0.0
@@ -103,22 +142,24 @@ def evaluate(model, prompts: list[str], *, seed: int) -> dict:
 class _Pretrained:
     """Stage 1 of every flow demo: the tiny model pretrained on the shapes, the prompts, the pretrained score."""
 
-    def __init__(self, out: Path, sizes: dict, seed: int, console, title: str) -> None:
+    def __init__(self, out: Path, sizes: dict, seed: int, console, title: str, model_name: str = "sd3") -> None:
         from grouprl.domains.diffusion import shapes
         from grouprl.domains.diffusion.models import load_flow_model
         from grouprl.domains.diffusion.pretrain import pretrain_flow
-        from grouprl.domains.diffusion.tiny import build_tiny_pixel_flow
 
         console.rule(f"[bold]{title}")
-        init = build_tiny_pixel_flow(out / "init_model", seed=seed, image_size=IMAGE_SIZE)
-        model = load_flow_model(init)
+        self.model_name = model_name
+        description, build = MODELS[model_name]
+        init = build(out / "init_model", seed)
+        self.max_sequence_length = None if model_name == "sd3" else PROMPT_TOKENS
+        model = load_flow_model(init, max_sequence_length=self.max_sequence_length)
         self.n_params = sum(p.numel() for p in model.transformer.parameters())
         pairs = shapes.make_pairs(sizes["pairs"], seed=seed, size=IMAGE_SIZE, split="train")
         self.held_out = shapes.make_prompts(sizes["held_out"], seed + 1, "held_out")
         train_prompts = shapes.make_prompts(TRAIN_PROMPTS, seed + 2, "train")
         self.prompts_file = out / "data" / "train_prompts.jsonl"
         write_text_atomic(self.prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in train_prompts))
-        console.print(f"tiny SD3 transformer ({self.n_params / 1e6:.2f}M parameters, {IMAGE_SIZE}x{IMAGE_SIZE} "
+        console.print(f"{description} ({self.n_params / 1e6:.2f}M parameters, {IMAGE_SIZE}x{IMAGE_SIZE} "
                       f"pixels); {len(pairs)} pretraining images; {len(self.held_out)} held-out prompts of "
                       "combinations never seen in training")
         console.rule("[bold]rectified-flow pretraining")
@@ -141,7 +182,7 @@ class _Pretrained:
         return sum(self.losses[-20:]) / len(self.losses[-20:])
 
 
-def _start(out: str | Path, quick: bool, seed: int, title: str):
+def _start(out: str | Path, quick: bool, seed: int, title: str, model: str = "sd3"):
     """What every flow demo starts with: diffusers checked, the sizes, the output directory, the seed and
     the pretrained model (``_Pretrained``); returns ``(console, sizes, out, pretrained)``."""
     from rich.console import Console
@@ -149,16 +190,21 @@ def _start(out: str | Path, quick: bool, seed: int, title: str):
     from grouprl.domains.diffusion.config import require_diffusers
 
     require_diffusers()
+    if model not in MODELS:
+        from grouprl.cli import UsageError
+
+        raise UsageError(f"--model {model!r} is not one of the flow demo's models: {', '.join(MODELS)}")
     console = Console()
     sizes = QUICK if quick else FULL
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # an earlier run of this command, stopped (Ctrl-C) or finished: its RL runs resume from their checkpoints
     # (the pretraining, seeded, is run again: its model is the one they were trained from)
-    resuming = demo_resumes(out, {"demo": "flow", "seed": seed, "sizes": sizes},
+    settings = {"demo": "flow", "seed": seed, "sizes": sizes, **({"model": model} if model != "sd3" else {})}
+    resuming = demo_resumes(out, settings,
                             stages=[out / "flow_grpo_fast" / "checkpoints", out / "diffusion_nft" / "checkpoints"])
     torch.manual_seed(seed)
-    pretrained = _Pretrained(out, sizes, seed, console, title)
+    pretrained = _Pretrained(out, sizes, seed, console, title, model)
     pretrained.resuming = resuming
     return console, sizes, out, pretrained
 
@@ -200,6 +246,7 @@ def _table(title: str, rows: dict[str, dict]):
 
 def _summary(pre: _Pretrained, sizes: dict, seed: int, runs: dict[str, dict], **extra) -> dict:
     return {
+        "model": pre.model_name,
         "task": "coloured squares placed as the prompt asks (grouprl.domains.diffusion.shapes), 16x16 RGB",
         "reward": "shapes (coverage of the asked colour in the asked half, minus stray pixels, halved on a wrong count)",
         "evaluation": f"ODE sampling, {EVAL_STEPS} steps, fixed noise, held-out prompt combinations",
@@ -216,16 +263,23 @@ def _summary(pre: _Pretrained, sizes: dict, seed: int, runs: dict[str, dict], **
     }
 
 
-def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0) -> dict:
+def _default_dir(base: str, model: str) -> str:
+    return base if model == "sd3" else f"{base}-{model}"
+
+
+def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: int = 0, model: str = "sd3") -> dict:
     """Pretrain, evaluate, Flow-GRPO-Fast, evaluate; one table, summary.json, samples.png, reward_curve.png
-    (in ``out``, default runs/demo-flow, runs/demo-flow-quick with ``quick``)."""
+    (in ``out``, default runs/demo-flow, runs/demo-flow-quick with ``quick``; runs/demo-flow-flux and so on
+    for another ``model``, a name of ``MODELS``)."""
     from grouprl.domains.diffusion.images import save_grid
 
     t_start = time.perf_counter()
     console, sizes, out, pre = _start(
-        demo_dir(out, "runs/demo-flow", quick), quick, seed, "grouprl demo --flow: Flow-GRPO-Fast on coloured squares, tiny SD3 transformer, CPU")
+        demo_dir(out, _default_dir("runs/demo-flow", model), quick), quick, seed,
+        f"grouprl demo --flow: Flow-GRPO-Fast on coloured squares, {MODELS.get(model, ('?',))[0]}, CPU", model)
     console.rule("[bold]Flow-GRPO-Fast")
-    after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed,
+    after = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed, pre.max_sequence_length),
+                   pre.held_out, seed,
                    resume=pre.resuming)
 
     console.rule("[bold]held-out prompts, ODE sampling, the same noise")
@@ -233,7 +287,7 @@ def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: i
     console.print(_table(f"held-out prompts (n={len(pre.held_out)}): shapes reward in [0, 1] (colour, side, count)",
                          rows))
     if quick:
-        console.print(QUICK_NOTE)
+        console.print(QUICK_NOTE if model == "sd3" else QUICK_NOTE.split(" The full run")[0])
     k = min(16, len(pre.held_out))
     grid = save_grid(pre.result["images"][:k] + after["images"][:k], out / "samples.png", columns=k,
                      captions=[f"{p}\nreward {s:.2f}" for p, s in zip(pre.held_out[:k] * 2,
@@ -257,21 +311,24 @@ def run_flow_demo(out: str | Path | None = None, *, quick: bool = False, seed: i
     return summary
 
 
-def run_flow_compare(out: str | Path | None = None, *, quick: bool = False, seed: int = 0) -> dict:
+def run_flow_compare(out: str | Path | None = None, *, quick: bool = False, seed: int = 0,
+                     model: str = "sd3") -> dict:
     """`grouprl demo --flow --compare`: Flow-GRPO-Fast, then DiffusionNFT for as long as Fast trained, from the
     same pretrained model on the same prompts; one table (held-out reward before and after, training images
     per second), one grid, both reward curves."""
     from grouprl.domains.diffusion.images import save_grid
 
     t_start = time.perf_counter()
-    console, sizes, out, pre = _start(demo_dir(out, "runs/demo-flow-compare", quick), quick, seed,
-                                      "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
-                                      "DiffusionNFT, the same model, prompts and training time, CPU")
+    console, sizes, out, pre = _start(demo_dir(out, _default_dir("runs/demo-flow-compare", model), quick), quick,
+                                      seed, "grouprl demo --flow --compare: Flow-GRPO-Fast vs "
+                                      "DiffusionNFT, the same model, prompts and training time, CPU", model)
     console.rule(f"[bold]Flow-GRPO-Fast, {sizes['grpo_steps']} steps")
-    fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed), pre.held_out, seed,
+    fast = _train(flow_demo_config(out, pre.path, pre.prompts_file, sizes, seed, pre.max_sequence_length),
+                  pre.held_out, seed,
                   resume=pre.resuming)
     console.rule(f"[bold]DiffusionNFT, {fast['seconds']:.0f} s (as long as Flow-GRPO-Fast trained)")
-    nft = _train(nft_demo_config(out, pre.path, pre.prompts_file, sizes, seed, max_wall_seconds=fast["seconds"]),
+    nft = _train(nft_demo_config(out, pre.path, pre.prompts_file, sizes, seed, max_wall_seconds=fast["seconds"],
+                                 max_sequence_length=pre.max_sequence_length),
                  pre.held_out, seed, resume=pre.resuming)
 
     console.rule("[bold]held-out prompts, ODE sampling, the same noise")

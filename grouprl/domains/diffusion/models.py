@@ -81,6 +81,7 @@ class FlowModel:
 
     family = "sd3"  # the FLOW_FAMILIES name of the class
     video = False  # a text-to-video family: latents [C, F, H, W], decode gives frames per sample
+    negative_prompt = ""  # the unconditional prompt of guidance (and of pretraining's prompt dropout)
 
     # ------------------------------------------------------------ geometry
 
@@ -139,7 +140,7 @@ class FlowModel:
         embeds, pooled = self.encode_prompts(prompts)
         if guidance_scale == 1.0:
             return PromptEmbeddings(embeds, pooled)
-        negative, negative_pooled = self.encode_prompts([""] * len(embeds))
+        negative, negative_pooled = self.encode_prompts([self.negative_prompt] * len(embeds))
         return PromptEmbeddings(embeds, pooled, negative, negative_pooled)
 
     @torch.no_grad()

@@ -36,4 +36,7 @@ DEMOS.register("flow", Demo(
          "pretrain, then RL against a rule reward, compared on held-out prompts (default out runs/demo-flow); "
          "with --compare: Flow-GRPO-Fast and DiffusionNFT for the same training time (default out "
          "runs/demo-flow-compare)",
-    combined={"--compare": "grouprl.domains.diffusion.demo:run_flow_compare"}))
+    combined={"--compare": "grouprl.domains.diffusion.demo:run_flow_compare"},
+    options=[("--model", {"default": "sd3", "choices": ["sd3", "flux", "qwen-image"],
+                          "help": "the flow demo's tiny model: sd3 (default), or a tiny pixel-space stand-in of "
+                                  "FLUX.1 (schnell's kind) or Qwen-Image"})]))

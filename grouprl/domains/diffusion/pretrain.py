@@ -63,7 +63,8 @@ def pretrain_flow(
 
     Per step: a batch of pairs (drawn with replacement), t from ``timestep_sampling``,
     eps ~ N(0, I), x_t = (1 - t) x0 + t eps, loss = MSE(v(x_t, t, prompt), eps - x0).
-    Each prompt is replaced by the empty prompt with probability ``prompt_dropout``,
+    Each prompt is replaced by the model's unconditional prompt (``negative_prompt``, the empty
+    one but for Qwen-Image's " ") with probability ``prompt_dropout``,
     so the same model also predicts unconditionally (the other half of CFG). The text
     encoders and the VAE stay frozen: prompts and images are encoded once up front.
     AdamW over the transformer's trainable parameters in fp32, with ``warmup_steps`` of
@@ -94,7 +95,7 @@ def pretrain_flow(
     x0_all = torch.cat([model.encode_images([image for image, _ in pairs[i:i + 256]])
                         for i in range(0, len(pairs), 256)])
     unique = list(dict.fromkeys(prompt for _, prompt in pairs))
-    text = model.condition(unique + [""])  # the last row is the empty prompt
+    text = model.condition(unique + [model.negative_prompt])  # the last row is the unconditional prompt
     prompt_row = {prompt: i for i, prompt in enumerate(unique)}
     rows = torch.tensor([prompt_row[prompt] for _, prompt in pairs], device=device)
     empty_row = len(unique)
