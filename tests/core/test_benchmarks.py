@@ -271,3 +271,20 @@ def test_bench_plan_smoke(tmp_path):
     assert rows["weights"][0] == rows["weights"][1] > 0 and rows["rollout_copy"][0] == rows["rollout_copy"][1] > 0
     for part, (predicted, measured) in rows.items():
         assert abs(predicted - measured) <= 0.15 * measured, (part, predicted, measured)
+
+
+def test_bench_flow_families_smoke(tmp_path):
+    pytest.importorskip("diffusers")
+    out = tmp_path / "families.json"
+    proc = run("bench_flow.py", "--families", "sd3", "wan", "--steps", "2", "--prompts", "2", "--n", "2",
+               "--micro-batch", "4", "--size", "16", "--frames", "5", "--repeats", "1", "--reward-call-latency", "0",
+               "--reward-image-latency", "0", "--out", str(out), cwd=tmp_path)
+    assert "vs sd3" in proc.stdout
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"sd3", "wan"} and set(report["ratios"]) == {"sd3_vs_sd3", "wan_vs_sd3"}
+    assert report["ratios"]["sd3_vs_sd3"] == 1.0
+    # a step of Wan makes 2 x 2 videos of 5 frames: frames per second
+    assert report["results"]["wan"]["images_per_step"] == 2 * 2 * 5
+    assert report["results"]["sd3"]["images_per_step"] == 2 * 2
+    for result in report["results"].values():
+        assert len(result["step_seconds"]) == 2 and all(positive(s) for s in result["step_seconds"])
