@@ -79,3 +79,35 @@ def test_flow_compare_trains_nft_for_the_time_fast_took(tmp_path, capsys, monkey
     assert summary["reward_curve"] is None  # too few steps for a curve (the full run draws both)
     printed = " ".join(capsys.readouterr().out.split())
     assert "DiffusionNFT" in printed and "Flow-GRPO-Fast" in printed and "images/s" in printed
+
+
+@pytest.mark.parametrize("model, family", [("flux", "FluxFlowModel"), ("qwen-image", "QwenImageFlowModel")])
+def test_the_flow_demo_runs_on_another_familys_stand_in(tmp_path, capsys, monkeypatch, model, family):
+    """`--model flux|qwen-image`: the same demo (pretraining, Flow-GRPO-Fast, held-out evaluation) on a tiny
+    pixel-space stand-in of that family, at sizes far below --quick's."""
+    real, seen = demo.evaluate, []
+
+    def evaluate(model_, prompts, **kwargs):
+        seen.append(type(model_).__name__)
+        return real(model_, prompts, **kwargs)
+
+    monkeypatch.setattr(demo, "evaluate", evaluate)
+    monkeypatch.setattr(demo, "QUICK", dict(pretrain_steps=4, pretrain_batch=4, pairs=8, grpo_steps=2,
+                                             prompts_per_step=2, n=2, held_out=2))
+    out = tmp_path / model
+    assert main(["demo", "--flow", "--quick", "--model", model, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == model and seen == [family, family]
+    metrics = [json.loads(x) for x in (out / "flow_grpo_fast" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    import yaml
+
+    config = yaml.safe_load((out / "flow_grpo_fast" / "config.yaml").read_text())
+    assert config["worker"]["actor"]["model"]["max_sequence_length"] == demo.PROMPT_TOKENS
+    printed = " ".join(capsys.readouterr().out.split())
+    assert demo.MODELS[model][0] in printed and "The full run" not in printed
+
+
+def test_the_model_option_belongs_to_the_flow_demo(tmp_path, capsys):
+    assert main(["demo", "--quick", "--model", "flux", "--out", str(tmp_path / "x")]) == 2
+    assert "--model is an option of the --flow demo" in capsys.readouterr().err
