@@ -219,11 +219,16 @@ def lora_target_modules(transformer: torch.nn.Module) -> list[str]:
     one-block model without ``to_add_out`` gets the seven it has. ValueError when
     there are none (not an SD3-style transformer).
     """
+    return present_targets(transformer, _ATTENTION_PROJECTIONS, "the attention projections")
+
+
+def present_targets(transformer: torch.nn.Module, targets: Sequence[str], what: str) -> list[str]:
+    """The peft ``target_modules`` suffixes of ``targets`` (in their order) that end the name of some
+    ``nn.Linear`` of ``transformer``; ValueError naming ``what`` when none does."""
     linear = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
-    found = [t for t in _ATTENTION_PROJECTIONS if any(n == t or n.endswith("." + t) for n in linear)]
+    found = [t for t in targets if any(n == t or n.endswith("." + t) for n in linear)]
     if not found:
-        raise ValueError(f"lora_target_modules: {type(transformer).__name__} has none of the attention "
-                         f"projections {_ATTENTION_PROJECTIONS}")
+        raise ValueError(f"{type(transformer).__name__} has none of {what} {tuple(targets)}")
     return found
 
 

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from grouprl.domains.diffusion.models import FlowModel, load_pipeline
+from grouprl.domains.diffusion.models import FlowModel, load_pipeline, present_targets
 
 # Components a FluxPipeline directory must have; the VAE may be null (the pixel-space stand-in), and so may
 # the IP-adapter's image encoder and feature extractor, which grouprl does not use.
@@ -169,12 +169,7 @@ class FluxFlowModel(FlowModel):
     def lora_targets(self) -> list[str]:
         """flow_grpo's FLUX.1 LoRA targets (scripts/train_flux.py, ``FLUX_LORA_TARGETS``) that name some
         ``nn.Linear`` of this transformer (a one-block stand-in has them all)."""
-        linear = [name for name, module in self.transformer.named_modules() if isinstance(module, torch.nn.Linear)]
-        found = [t for t in FLUX_LORA_TARGETS if any(n == t or n.endswith("." + t) for n in linear)]
-        if not found:
-            raise ValueError(f"FluxFlowModel({self.path}): {type(self.transformer).__name__} has none of "
-                             f"flow_grpo's FLUX LoRA targets {FLUX_LORA_TARGETS}")
-        return found
+        return present_targets(self.transformer, FLUX_LORA_TARGETS, "flow_grpo's FLUX LoRA targets")
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:

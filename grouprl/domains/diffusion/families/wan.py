@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from grouprl.domains.diffusion.models import FlowModel, load_pipeline
+from grouprl.domains.diffusion.models import FlowModel, load_pipeline, present_targets
 
 # the components a WanPipeline directory must have (the VAE may be null: a pixel-space stand-in)
 _WAN_REQUIRED = ("transformer", "scheduler", "text_encoder", "tokenizer")
@@ -177,12 +177,7 @@ class WanFlowModel(FlowModel):
     def lora_targets(self) -> list[str]:
         """``WAN_LORA_TARGETS`` (flow_grpo's scripts/train_wan2_1.py) that name some ``nn.Linear`` of the
         transformer: ``to_q``, ``to_k``, ``to_v``, ``to_out.0`` for text-to-video Wan."""
-        linear = [name for name, module in self.transformer.named_modules() if isinstance(module, torch.nn.Linear)]
-        found = [t for t in WAN_LORA_TARGETS if any(n == t or n.endswith("." + t) for n in linear)]
-        if not found:
-            raise ValueError(f"WanFlowModel({self.path}): {type(self.transformer).__name__} has none of the LoRA "
-                             f"targets {WAN_LORA_TARGETS}")
-        return found
+        return present_targets(self.transformer, WAN_LORA_TARGETS, "flow_grpo's Wan LoRA targets")
 
     # ------------------------------------------------------------ text
 
