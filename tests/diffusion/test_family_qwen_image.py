@@ -193,30 +193,15 @@ def test_encode_images_normalises_the_vae_latents(qwen_vae, qwen_pixel_dir):
 
 
 @pytest.fixture
-def qwen_config(qwen_pixel_dir, prompts, set_dotted):
-    """``qwen_config(out, **overrides)``: a 2-step Flow-GRPO-Fast run of the pixel stand-in, true CFG 2."""
-    from grouprl.domains.diffusion.config import flow_config_from_dict
-
-    def config(out, **extra):
-        values = {
-            "kind": "flow",
-            "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
-                     "rollout_batch_size": 2, "seed": 3},
-            "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2},
-            "worker": {
-                "actor": {"model": {"model_path": str(qwen_pixel_dir), "lora": {"rank": 2, "alpha": 4}},
-                          "optim": {"lr": 1e-2}, "micro_batch_size": 2, "num_minibatches": 1},
-                "rollout": {"n": 2, "num_steps": 3, "height": 8, "width": 8, "guidance_scale": 2.0,
-                            "micro_batch_size": 4, "sde_window_size": 2, "sde_window_range": [0, 3],
-                            "val_num_steps": 3},
-                "reward": {"functions": [{"name": "image_brightness"}]},
-            },
-            "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1,
-                        "device": "cpu", "seed": 5, "val_freq": 2},
-        }
-        return flow_config_from_dict(set_dotted(values, extra))
-
-    return config
+def qwen_config(qwen_pixel_dir, flow_config):
+    """``qwen_config(out, **overrides)``: a 2-step Flow-GRPO-Fast run of the pixel stand-in, true CFG 2 (the
+    shared ``flow_config`` with the stand-in and smaller sizes)."""
+    sizes = {"worker.actor.model.model_path": str(qwen_pixel_dir), "worker.actor.model.lora.rank": 2,
+             "worker.actor.model.lora.alpha": 4, "worker.actor.micro_batch_size": 2,
+             "worker.actor.num_minibatches": 1, "worker.rollout.n": 2, "worker.rollout.num_steps": 3,
+             "worker.rollout.micro_batch_size": 4, "worker.rollout.sde_window_range": [0, 3],
+             "worker.rollout.val_num_steps": 3}
+    return lambda out, **extra: flow_config(out, **{**sizes, **extra})
 
 
 def lora_state(trainer) -> dict[str, torch.Tensor]:
