@@ -15,8 +15,9 @@ sampling weights and its mean (GRPO-Guard's RatioNorm needs the old means).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -92,24 +93,33 @@ class Conditioning(Protocol):
         """The velocity v = eps - x0 [B, *latent] at the scheduler's ``timestep`` [B] (0..1000)."""
 
 
+class RowTensors:
+    """``select`` and ``to`` for a conditioning dataclass: its tensor fields hold a row per sample (a field
+    may be None: guidance off), except those named in ``shared``, the same for every row (moved, not
+    indexed); other fields (flags) are kept as they are."""
+
+    shared: ClassVar[tuple[str, ...]] = ()
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def select(self, rows):
+        return dataclasses.replace(self, **{name: value[rows] for name, value in self._tensors().items()
+                                            if name not in self.shared})
+
+    def to(self, device):
+        return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors().items()})
+
+
 @dataclass
-class PromptEmbeddings:
+class PromptEmbeddings(RowTensors):
     """SD3's conditioning (``Conditioning``): text tokens and the pooled vector, with the empty prompt's for guidance."""
 
     embeds: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, P]
     negative_embeds: torch.Tensor | None = None  # [B, L, D]; None when guidance is off
     negative_pooled: torch.Tensor | None = None
-
-    def select(self, rows) -> "PromptEmbeddings":
-        pick = (lambda t: None if t is None else t[rows])  # noqa: E731
-        return PromptEmbeddings(pick(self.embeds), pick(self.pooled), pick(self.negative_embeds),
-                                pick(self.negative_pooled))
-
-    def to(self, device) -> "PromptEmbeddings":
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return PromptEmbeddings(move(self.embeds), move(self.pooled), move(self.negative_embeds),
-                                move(self.negative_pooled))
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  guidance_scale: float) -> torch.Tensor:

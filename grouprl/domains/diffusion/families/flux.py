@@ -37,6 +37,7 @@ from typing import Sequence
 import torch
 
 from grouprl.domains.diffusion.models import FlowModel, load_pipeline, present_targets
+from grouprl.domains.diffusion.pipeline import RowTensors
 
 # Components a FluxPipeline directory must have; the VAE may be null (the pixel-space stand-in), and so may
 # the IP-adapter's image encoder and feature extractor, which grouprl does not use.
@@ -61,7 +62,7 @@ def _pipeline_class():
 
 
 @dataclass
-class FluxConditioning:
+class FluxConditioning(RowTensors):
     """FLUX.1's conditioning (``pipeline.Conditioning``): T5 tokens, CLIP's pooled vector, text ids.
 
     Every prompt has the same ``max_sequence_length`` T5 tokens (the pipeline pads to it), so
@@ -75,12 +76,7 @@ class FluxConditioning:
     text_ids: torch.Tensor  # [L, 3]
     guidance_embeds: bool
 
-    def select(self, rows) -> "FluxConditioning":
-        return FluxConditioning(self.embeds[rows], self.pooled[rows], self.text_ids, self.guidance_embeds)
-
-    def to(self, device) -> "FluxConditioning":
-        return FluxConditioning(self.embeds.to(device), self.pooled.to(device), self.text_ids.to(device),
-                                self.guidance_embeds)
+    shared = ("text_ids",)  # one set of text position ids for every row
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  guidance_scale: float) -> torch.Tensor:

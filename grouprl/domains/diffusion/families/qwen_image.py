@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from grouprl.domains.diffusion.models import FlowModel, load_pipeline
+from grouprl.domains.diffusion.pipeline import RowTensors
 from grouprl.files import follow_umask
 
 # The negative prompt of true CFG: verl's examples/flowgrpo_trainer/data_process/qwenimage_ocr.py
@@ -82,7 +83,7 @@ def true_cfg_velocity(cond: torch.Tensor, uncond: torch.Tensor, scale: float) ->
 
 
 @dataclass
-class QwenImageConditioning:
+class QwenImageConditioning(RowTensors):
     """Qwen-Image's conditioning (``pipeline.Conditioning``): prompt embeddings padded to one length with
     their mask, and the negative prompt's for true CFG."""
 
@@ -90,16 +91,6 @@ class QwenImageConditioning:
     mask: torch.Tensor  # [B, L], 1 for a prompt token, 0 for padding
     negative_embeds: torch.Tensor | None = None  # [B, L, D]; None when guidance is off
     negative_mask: torch.Tensor | None = None
-
-    def select(self, rows) -> "QwenImageConditioning":
-        pick = (lambda t: None if t is None else t[rows])  # noqa: E731
-        return QwenImageConditioning(pick(self.embeds), pick(self.mask), pick(self.negative_embeds),
-                                     pick(self.negative_mask))
-
-    def to(self, device) -> "QwenImageConditioning":
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return QwenImageConditioning(move(self.embeds), move(self.mask), move(self.negative_embeds),
-                                     move(self.negative_mask))
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  guidance_scale: float) -> torch.Tensor:

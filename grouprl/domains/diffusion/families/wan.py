@@ -52,6 +52,7 @@ import torch
 from PIL import Image
 
 from grouprl.domains.diffusion.models import FlowModel, load_pipeline, present_targets
+from grouprl.domains.diffusion.pipeline import RowTensors
 
 # the components a WanPipeline directory must have (the VAE may be null: a pixel-space stand-in)
 _WAN_REQUIRED = ("transformer", "scheduler", "text_encoder", "tokenizer")
@@ -62,7 +63,7 @@ TINY_PIXEL_SIZE = 16
 
 
 @dataclass
-class WanConditioning:
+class WanConditioning(RowTensors):
     """Wan's conditioning (``pipeline.Conditioning``): UMT5 token embeddings padded to
     ``max_sequence_length``, and the negative prompt's for guidance."""
 
@@ -70,14 +71,6 @@ class WanConditioning:
     negative_embeds: torch.Tensor | None = None  # [B, L, D]; None when guidance is off
     # Wan 2.2 TI2V: the transformer takes a timestep per latent token (the pipeline's expand_timesteps)
     expand_timesteps: bool = False
-
-    def select(self, rows) -> "WanConditioning":
-        pick = (lambda t: None if t is None else t[rows])  # noqa: E731
-        return WanConditioning(pick(self.embeds), pick(self.negative_embeds), self.expand_timesteps)
-
-    def to(self, device) -> "WanConditioning":
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return WanConditioning(move(self.embeds), move(self.negative_embeds), self.expand_timesteps)
 
     def _timestep(self, transformer, latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
         if not self.expand_timesteps:
