@@ -46,19 +46,19 @@ def prompts(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def flow_config(tiny_flow, prompts, set_dotted):
-    """``flow_config(out, **overrides)``: a Flow-GRPO-Fast run of the tiny flow model on the prompts."""
-    from grouprl.domains.diffusion.config import flow_config_from_dict
+@pytest.fixture(scope="session")
+def flow_values(prompts):
+    """``flow_values(model_path, out)``: the values of a Flow-GRPO-Fast run of ``model_path`` on the prompts,
+    into ``out``: the base of ``flow_config`` and of the family tests' runs, which override it."""
 
-    def config(out, **extra):
-        values = {
+    def values(model_path, out) -> dict:
+        return {
             "kind": "flow",
             "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
                      "rollout_batch_size": 2, "seed": 3},
             "algorithm": {"name": "flow_grpo_fast", "kl_coef": 0.04, "clip_range": 1e-2},
             "worker": {
-                "actor": {"model": {"model_path": str(tiny_flow), "lora": {"rank": 4, "alpha": 8}},
+                "actor": {"model": {"model_path": str(model_path), "lora": {"rank": 4, "alpha": 8}},
                           "optim": {"lr": 1e-2}, "micro_batch_size": 3, "num_minibatches": 2},
                 "rollout": {"n": 4, "num_steps": 4, "height": 8, "width": 8, "guidance_scale": 2.0,
                             "micro_batch_size": 3, "sde_window_size": 2, "sde_window_range": [0, 4],
@@ -68,6 +68,16 @@ def flow_config(tiny_flow, prompts, set_dotted):
             "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1,
                         "device": "cpu", "seed": 5, "val_freq": 2},
         }
-        return flow_config_from_dict(set_dotted(values, extra))
+
+    return values
+
+
+@pytest.fixture
+def flow_config(tiny_flow, flow_values, set_dotted):
+    """``flow_config(out, **overrides)``: a Flow-GRPO-Fast run of the tiny flow model on the prompts."""
+    from grouprl.domains.diffusion.config import flow_config_from_dict
+
+    def config(out, **extra):
+        return flow_config_from_dict(set_dotted(flow_values(tiny_flow, out), extra))
 
     return config

@@ -4,6 +4,7 @@ schedule, frames, LoRA targets, video rewards (``video.score_videos``), the reci
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -242,40 +243,28 @@ def test_score_videos_a_none_frame_unscoring_the_video_and_errors_raising():
 # ---------------------------------------------------------------- config, recipe and the trainer
 
 
-def wan_values(model, prompts, out, **extra):
-    values = {
-        "kind": "flow",
-        "data": {"train_files": [str(prompts / "train.jsonl")], "val_files": [str(prompts / "val.jsonl")],
-                 "rollout_batch_size": 2, "seed": 3},
-        "algorithm": {"name": "flow_grpo", "kl_coef": 0.04, "clip_range": 1e-2},
-        "worker": {
-            "actor": {"model": {"model_path": str(model), "lora": {"rank": 2, "alpha": 4}},
-                      "optim": {"lr": 1e-2}, "micro_batch_size": 4},
-            "rollout": {"n": 2, "num_steps": 3, "height": 16, "width": 16, "num_frames": 5, "guidance_scale": 2.0,
-                        "micro_batch_size": 4, "sde_window_size": 1, "sde_window_range": [0, 3], "val_num_steps": 3,
-                        "val_images_to_log": 2},
-            "reward": {"functions": [{"name": "image_brightness"}], "video_frames": 3},
-        },
-        "trainer": {"output_dir": str(out), "max_steps": 2, "logger": ["jsonl"], "save_freq": 1,
-                    "device": "cpu", "seed": 5, "val_freq": 2},
-    }
-    for key, value in extra.items():
-        node = values
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[last] = value
-    return values
+@pytest.fixture
+def wan_values(tiny_wan, flow_values, set_dotted):
+    """``wan_values(out, **extra)``: the shared flow run's values (``flow_values``) for the tiny Wan: Flow-GRPO,
+    5-frame videos of 16 x 16 scored on 3 frames, and ``extra`` (dotted keys)."""
+    sizes = {"algorithm.name": "flow_grpo", "worker.actor.model.lora": {"rank": 2, "alpha": 4},
+             "worker.actor.micro_batch_size": 4, "worker.actor.num_minibatches": 1,
+             "worker.rollout": {"n": 2, "num_steps": 3, "height": 16, "width": 16, "num_frames": 5,
+                                "guidance_scale": 2.0, "micro_batch_size": 4, "sde_window_size": 1,
+                                "sde_window_range": [0, 3], "val_num_steps": 3, "val_images_to_log": 2},
+             "worker.reward.video_frames": 3}
+    # a fresh copy each time: the nested dicts become the run's values, which a test may change
+    return lambda out, **extra: set_dotted(flow_values(tiny_wan, out), copy.deepcopy({**sizes, **extra}))
 
 
-def test_video_frames_key_checked(tiny_wan, prompts, tmp_path):
+def test_video_frames_key_checked(wan_values, tmp_path):
     from grouprl.domains.diffusion.config import flow_config_from_dict
 
-    assert flow_config_from_dict(wan_values(tiny_wan, prompts, tmp_path)).worker.reward.video_frames == 3
+    assert flow_config_from_dict(wan_values(tmp_path)).worker.reward.video_frames == 3
     with pytest.raises(ConfigError, match="'worker.reward.video_frames' is 3, but 'worker.rollout.num_frames' is not"):
-        flow_config_from_dict(wan_values(tiny_wan, prompts, tmp_path, **{"worker.rollout.num_frames": None}))
+        flow_config_from_dict(wan_values(tmp_path, **{"worker.rollout.num_frames": None}))
     with pytest.raises(ConfigError, match=r"'worker.reward.video_frames' \(6\) exceeds"):
-        flow_config_from_dict(wan_values(tiny_wan, prompts, tmp_path, **{"worker.reward.video_frames": 6}))
+        flow_config_from_dict(wan_values(tmp_path, **{"worker.reward.video_frames": 6}))
 
 
 def test_the_recipe_loads_with_flow_grpos_wan_settings():
@@ -293,11 +282,11 @@ def test_the_recipe_loads_with_flow_grpos_wan_settings():
     assert actor.ema.enabled and actor.model.dtype == "bfloat16"
 
 
-def test_the_trainer_refuses_a_video_model_without_frames(tiny_wan, prompts, tmp_path):
+def test_the_trainer_refuses_a_video_model_without_frames(wan_values, tmp_path):
     from grouprl.domains.diffusion.config import flow_config_from_dict
     from grouprl.domains.diffusion.trainer import flow_trainer
 
-    values = wan_values(tiny_wan, prompts, tmp_path, **{"worker.rollout.num_frames": None})
+    values = wan_values(tmp_path, **{"worker.rollout.num_frames": None})
     values["worker"]["reward"].pop("video_frames")
     with pytest.raises(ConfigError, match="'worker.rollout.num_frames' is not set.*text-to-video model \\(wan\\)"):
         flow_trainer(flow_config_from_dict(values))
@@ -307,11 +296,11 @@ def _lora(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.policy.named_parameters() if "lora_" in k}
 
 
-def _train(tiny_wan, prompts, out, **extra):
+def _train(wan_values, out, **extra):
     from grouprl.domains.diffusion.config import flow_config_from_dict
     from grouprl.domains.diffusion.trainer import flow_trainer
 
-    trainer = flow_trainer(flow_config_from_dict(wan_values(tiny_wan, prompts, out, **extra)))
+    trainer = flow_trainer(flow_config_from_dict(wan_values(out, **extra)))
     before = _lora(trainer)
     trainer.train()
     return trainer, before
@@ -326,8 +315,8 @@ ALGORITHMS = {
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_each_algorithm_trains_and_validates_on_the_tiny_wan(tiny_wan, prompts, tmp_path, read_jsonl, algorithm):
-    trainer, before = _train(tiny_wan, prompts, tmp_path / "run", **ALGORITHMS[algorithm])
+def test_each_algorithm_trains_and_validates_on_the_tiny_wan(wan_values, tmp_path, read_jsonl, algorithm):
+    trainer, before = _train(wan_values, tmp_path / "run", **ALGORITHMS[algorithm])
     assert any(not torch.equal(before[k], v) for k, v in _lora(trainer).items())
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics if "reward/mean" in m and "val/reward/mean" not in m] == [1, 2]
@@ -335,10 +324,10 @@ def test_each_algorithm_trains_and_validates_on_the_tiny_wan(tiny_wan, prompts, 
     assert (tmp_path / "run" / "val_images" / "step_000002.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_resumed_wan_run_equals_the_straight_one(tiny_wan, prompts, tmp_path, read_jsonl):
-    full, _ = _train(tiny_wan, prompts, tmp_path / "full", **{"trainer.val_freq": 0})
-    _train(tiny_wan, prompts, tmp_path / "cut", **{"trainer.max_steps": 1, "trainer.val_freq": 0})
-    resumed, _ = _train(tiny_wan, prompts, tmp_path / "cut", **{"trainer.resume": "auto", "trainer.val_freq": 0})
+def test_a_resumed_wan_run_equals_the_straight_one(wan_values, tmp_path, read_jsonl):
+    full, _ = _train(wan_values, tmp_path / "full", **{"trainer.val_freq": 0})
+    _train(wan_values, tmp_path / "cut", **{"trainer.max_steps": 1, "trainer.val_freq": 0})
+    resumed, _ = _train(wan_values, tmp_path / "cut", **{"trainer.resume": "auto", "trainer.val_freq": 0})
     a, b = _lora(full), _lora(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -349,8 +338,8 @@ def test_a_resumed_wan_run_equals_the_straight_one(tiny_wan, prompts, tmp_path, 
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async_reward"])
-def test_async_modes_train_the_tiny_wan(tiny_wan, prompts, tmp_path, read_jsonl, mode):
-    trainer, before = _train(tiny_wan, prompts, tmp_path / "run", **{"trainer.async_mode": mode,
+def test_async_modes_train_the_tiny_wan(wan_values, tmp_path, read_jsonl, mode):
+    trainer, before = _train(wan_values, tmp_path / "run", **{"trainer.async_mode": mode,
                                                                      "trainer.val_freq": 0})
     assert any(not torch.equal(before[k], v) for k, v in _lora(trainer).items())
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in m] == [1, 2]

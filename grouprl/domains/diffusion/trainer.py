@@ -175,10 +175,11 @@ class FlowTrainer(TrainingLoop):
             name = family_of_path(actor.model.model_path)
         except (ModelPathError, ValueError) as exc:
             raise ConfigError(f"config key 'worker.actor.model.model_path': {exc}") from exc
-        if FLOW_FAMILIES.get(name).video and rollout.num_frames is None:
+        video = FLOW_FAMILIES.get(name).video
+        if video and rollout.num_frames is None:
             raise ConfigError(f"config key 'worker.rollout.num_frames' is not set, and {actor.model.model_path} is a "
                               f"text-to-video model ({name}): set the frames per video")
-        if not FLOW_FAMILIES.get(name).video and rollout.num_frames is not None:
+        if not video and rollout.num_frames is not None:
             raise ConfigError(f"config key 'worker.rollout.num_frames' is {rollout.num_frames}, but "
                               f"{actor.model.model_path} is an image model ({name}): remove it")
         try:
