@@ -386,6 +386,7 @@ class FlowTrainer(TrainingLoop):
         scorer = ThreadPoolExecutor(1, thread_name_prefix="grouprl-image-reward") \
             if config.trainer.async_mode == "async_reward" else None
         trajectories, scored = [], []
+        score = self._scorer(self.rewards)  # images, or a video model's frames
         t0 = time.perf_counter()
         sample_s = 0.0
         try:
@@ -404,7 +405,6 @@ class FlowTrainer(TrainingLoop):
                 args = (self.model.decode(traj.final), [prompts[i] for i in rows],
                         {k: [v[i] for i in rows] for k, v in metadata.items()})
                 mark("reward")
-                score = self._scorer(self.rewards)
                 scored.append(scorer.submit(score, *args) if scorer else score(*args))
             wait0 = time.perf_counter()
             results = [s.result() for s in scored] if scorer else scored
