@@ -273,3 +273,13 @@ def test_video_frames_on_an_image_model_are_one_line_with_exit_2(flow_config, tm
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'worker.rollout.num_frames' is 5" in err[0] and "an image model (sd3)" in err[0]
+
+
+def test_each_flow_trainer_refuses_another_algorithm_and_flow_trainer_picks(flow_config, tmp_path):
+    from grouprl.config import ConfigError
+    from grouprl.domains.diffusion.trainer import DiffusionNFTTrainer, flow_trainer
+
+    config = flow_config(tmp_path / "run")  # flow_grpo_fast
+    with pytest.raises(ConfigError, match="'flow_grpo_fast', which DiffusionNFTTrainer does not train"):
+        DiffusionNFTTrainer(config)
+    assert type(flow_trainer(config)) is FlowGRPOTrainer
